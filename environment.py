@@ -1,0 +1,650 @@
+"""The NeMo Gym 0.7.0 ``interactive_browser`` wire contract, in one place.
+
+What this module owns
+    * The typed seed (``/seed_session`` with a caller-chosen ``resources_session_id``), the five browser
+      endpoints, ``/verify`` with the body the server requires, and the typed ``/close_session``.
+    * One cookie jar per session. The server keys a session on a Starlette cookie; aiohttp's default jar
+      silently drops cookies of IP-address hosts such as ``127.0.0.1``, so every session uses
+      ``CookieJar(unsafe=True)``. Connections are pooled across sessions, cookies are not.
+    * An explicit timeout on every call, and the mapping of every outcome to one of two things:
+      an :class:`EnvironmentFailure` (the infrastructure failed; it carries a :class:`FailureKind`) or a
+      :class:`ToolResult` whose ``error`` the policy reads (it made a mistake: bad arguments, an element id
+      that is not on the page, a URL of its own choosing that did not load).
+    * Spreading sessions over several servers: least outstanding sessions first, a per-server cap, a server
+      that stopped answering taken out of rotation and probed back in after a cool-down.
+
+Lifetimes it guarantees
+    ``async with client.session(...) as session`` seeds on entry and closes on exit, whatever ended the
+    block (success, failure, timeout, cancellation). ``close()`` sends the typed close even when the seed
+    failed: a seed the client gave up on may still open a browser on the server, and the typed close of
+    its id both releases it and stops a late seed from creating it. ``close()`` never raises.
+
+Retries
+    Only idempotent calls are retried, only on transport errors that happened before an answer arrived
+    (connection refused or reset), and at most ``transient_retries`` times:
+      * seed: the server promises that repeating a typed seed with the same id and episode returns the
+        session it already has;
+      * observe: reads the page;
+      * navigate: a page load (a GET) ends in the same state when repeated;
+      * finish: the server keeps the first finish and ignores the rest;
+      * close: closing a closed id is a no-op.
+    Never retried: click and type (a second click can submit a form twice), and verify (it releases the
+    browser, so a repeat after a lost answer would grade nothing). A timeout is never retried: a hung
+    server is reported at once instead of doubling the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
+
+# The grading keys the 0.7.0 server knows, in the order it checks them. Any other key answers 500 at verify.
+VERIFIER_KEYS = ("answer_equals", "final_url", "url_contains", "dom_contains")
+TOOL_NAMES = ("browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish")
+# Calls that are safe to repeat after a transport error (see the module docstring for why).
+IDEMPOTENT_TOOLS = frozenset({"browser_observe", "browser_navigate", "browser_finish"})
+
+# Texts the server (or Playwright behind it) uses when the browser itself is gone. A tool answer carrying one
+# of them measures the infrastructure, whatever the policy asked for.
+_NO_SESSION_TEXT = "no active session"
+_BROWSER_GONE_MARKERS = (
+    "has been closed",
+    "browser closed",
+    "connection closed",
+    "target closed",
+    "backend is not open",
+)
+# observe takes no argument, so a failed observe can only be the browser's fault.
+_OBSERVE_FAILED_PREFIX = "observe failed:"
+_VERIFY_SESSION_NOT_FOUND = "session not found"
+
+
+class FailureKind(str, enum.Enum):
+    """What part of the infrastructure failed. The values are the recipe's per-sample ``env_failure_kind``."""
+
+    SEED_FAILED = "seed_failed"
+    SESSION_LOST = "session_lost"
+    UNREACHABLE = "unreachable"
+    SERVER_ERROR = "server_error"
+    TIMEOUT = "timeout"
+    VERIFY_UNAVAILABLE = "verify_unavailable"
+    JUDGE_UNUSABLE = "judge_unusable"
+
+
+class EnvironmentFailure(Exception):
+    """The infrastructure failed, so the episode measures nothing about the policy.
+
+    The one exception type of this module. ``kind`` says what failed and ``reason`` says how, in words an
+    operator can act on; neither ever holds a secret.
+    """
+
+    def __init__(self, kind: FailureKind, reason: str, *, server_url: str | None = None) -> None:
+        self.kind = FailureKind(kind)
+        self.reason = reason
+        self.server_url = server_url
+        super().__init__(f"{self.kind.value}: {reason}")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One browser action as the policy sees it. ``error`` set means the policy's action failed, not the server."""
+
+    observation: str
+    done: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A grade the server could actually compute."""
+
+    reward: float
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    """Where the environment servers are and how long each kind of call may take (seconds)."""
+
+    server_urls: tuple[str, ...]
+    call_timeout_s: float = 60.0  # one browser action (page loads included)
+    seed_timeout_s: float = 120.0  # the start page must load within this
+    verify_timeout_s: float = 60.0
+    close_timeout_s: float = 15.0
+    connect_timeout_s: float = 10.0
+    transient_retries: int = 2
+    retry_backoff_s: float = 0.25
+    # Below uvicorn's 30 s keep-alive, so the client never reuses a connection the server is closing.
+    keepalive_timeout_s: float = 10.0
+    max_sessions_per_server: int = 64
+    server_cooldown_s: float = 10.0  # how long a server that stopped answering stays out of rotation
+    taskset: str = "nemo_gym_browser"
+
+    def __post_init__(self) -> None:
+        urls = (self.server_urls,) if isinstance(self.server_urls, str) else tuple(self.server_urls)
+        if not urls:
+            raise ValueError("EnvironmentConfig needs at least one server URL")
+        object.__setattr__(self, "server_urls", tuple(u.rstrip("/") for u in urls))
+        for name in ("call_timeout_s", "seed_timeout_s", "verify_timeout_s", "close_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_sessions_per_server < 1:
+            raise ValueError("max_sessions_per_server must be at least 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> EnvironmentConfig:
+        """Build from a config mapping (hydra kwargs), rejecting keys this class does not know."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown environment config keys {unknown}; known: {sorted(known)}")
+        values = dict(values)
+        urls = values.get("server_urls")
+        if isinstance(urls, str):
+            values["server_urls"] = tuple(u.strip() for u in urls.split(",") if u.strip())
+        elif urls is not None:
+            values["server_urls"] = tuple(urls)
+        return cls(**values)
+
+
+# ----- wire bodies (pydantic: everything that crosses HTTP) ---------------------------------------------------
+
+
+class _EpisodeId(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    attempt: int = Field(ge=0)
+
+
+class _TaskId(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    taskset: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+
+
+class _SeedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    resources_session_id: str
+    episode_id: _EpisodeId
+    task_id: _TaskId
+    task_data: dict[str, Any]
+
+
+class _SeedResponse(BaseModel):
+    resources_session_id: str
+
+
+class _CloseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    resources_session_id: str
+    episode_id: _EpisodeId
+
+
+class _ToolAnswer(BaseModel):
+    observation: str = ""
+    done: bool = False
+    error: str | None = None
+
+
+class _VerifyAnswer(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    reward: float
+    mask_sample: bool = False
+    failure_kind: str | None = None
+    failure_reason: str | None = None
+
+
+def _verify_body(rollout_id: str) -> dict[str, Any]:
+    """The smallest body the server's ``BaseVerifyRequest`` accepts; the grade comes from seed-time metadata."""
+    return {
+        "responses_create_params": {"input": []},
+        "response": {
+            "id": f"resp-{rollout_id}",
+            "created_at": 0,
+            "model": "policy",
+            "object": "response",
+            "output": [],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+        },
+    }
+
+
+def validate_verifier_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Reject metadata the server could not grade (it answers 500 at verify time). ``None``/empty means no verifier."""
+    if not metadata:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"verifier_metadata must be a mapping, got {type(metadata).__name__}")
+    unknown = sorted(set(metadata) - set(VERIFIER_KEYS))
+    if unknown:
+        raise ValueError(f"unknown verifier_metadata keys {unknown}; the server knows {list(VERIFIER_KEYS)}")
+    return dict(metadata)
+
+
+def _browser_gone(error: str) -> bool:
+    lowered = error.lower()
+    return any(marker in lowered for marker in _BROWSER_GONE_MARKERS)
+
+
+def _brief(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----- servers ------------------------------------------------------------------------------------------------
+
+
+class _Server:
+    """Bookkeeping of one environment server: sessions in flight and whether it is in rotation."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.outstanding = 0
+        self.down_until = 0.0
+
+    def available(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class EnvironmentClient:
+    """Opens browser sessions on one or more environment servers. One per process; share it across rollouts.
+
+    Use as ``async with EnvironmentClient(config) as client`` or call :meth:`close`. The connection pool is
+    created lazily inside the running event loop.
+    """
+
+    def __init__(self, config: EnvironmentConfig) -> None:
+        self.config = config
+        self._servers = [_Server(url) for url in config.server_urls]
+        self._connector: aiohttp.TCPConnector | None = None
+        self._capacity: asyncio.Condition | None = None
+        self._counter = itertools.count()
+
+    async def __aenter__(self) -> EnvironmentClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._connector is not None:
+            connector, self._connector = self._connector, None
+            await connector.close()
+
+    @property
+    def outstanding(self) -> dict[str, int]:
+        """Sessions in flight per server URL (for metrics and tests)."""
+        return {s.url: s.outstanding for s in self._servers}
+
+    def _pool(self) -> aiohttp.TCPConnector:
+        if self._connector is None or self._connector.closed:
+            self._connector = aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=self.config.keepalive_timeout_s, enable_cleanup_closed=True
+            )
+        return self._connector
+
+    async def _acquire_server(self) -> _Server:
+        if self._capacity is None:
+            self._capacity = asyncio.Condition()
+        async with self._capacity:
+            while True:
+                now = time.monotonic()
+                candidates = [s for s in self._servers if s.outstanding < self.config.max_sessions_per_server]
+                healthy = [s for s in candidates if s.available(now)]
+                # A server past its cool-down is probed simply by sending it the next session.
+                pool = healthy or candidates
+                if pool:
+                    server = min(pool, key=lambda s: (s.outstanding, s.down_until))
+                    server.outstanding += 1
+                    return server
+                await self._capacity.wait()
+
+    async def _release_server(self, server: _Server) -> None:
+        assert self._capacity is not None
+        async with self._capacity:
+            server.outstanding -= 1
+            self._capacity.notify()
+
+    def _report(self, server: _Server, failure: EnvironmentFailure | None) -> None:
+        if failure is not None and failure.kind in (FailureKind.UNREACHABLE, FailureKind.TIMEOUT):
+            if server.available(time.monotonic()):
+                logger.warning(
+                    "environment server %s out of rotation for %.0fs: %s",
+                    server.url,
+                    self.config.server_cooldown_s,
+                    failure.reason,
+                )
+            server.down_until = time.monotonic() + self.config.server_cooldown_s
+        elif failure is None:
+            server.down_until = 0.0
+
+    @asynccontextmanager
+    async def session(
+        self,
+        *,
+        rollout_id: str,
+        attempt: int,
+        task_id: str,
+        initial_url: str | None,
+        verifier_metadata: Mapping[str, Any] | None = None,
+        taskset: str | None = None,
+    ) -> AsyncIterator[BrowserSession]:
+        """Seed a browser session, yield it, and close it whatever happens."""
+        server = await self._acquire_server()
+        session = BrowserSession(
+            self,
+            server,
+            session_id=f"{rollout_id}.{attempt}.{next(self._counter)}",
+            rollout_id=rollout_id,
+            attempt=attempt,
+            task_id=task_id,
+            taskset=taskset or self.config.taskset,
+            initial_url=initial_url,
+            verifier_metadata=validate_verifier_metadata(verifier_metadata),
+        )
+        try:
+            try:
+                await session.seed()
+            except EnvironmentFailure as failure:
+                self._report(server, failure)
+                raise
+            self._report(server, None)
+            yield session
+        finally:
+            try:
+                await asyncio.shield(session.close())
+            finally:
+                await self._release_server(server)
+
+
+class BrowserSession:
+    """One seeded browser on one server: the rollout's whole environment. Built by :meth:`EnvironmentClient.session`."""
+
+    def __init__(
+        self,
+        client: EnvironmentClient,
+        server: _Server,
+        *,
+        session_id: str,
+        rollout_id: str,
+        attempt: int,
+        task_id: str,
+        taskset: str,
+        initial_url: str | None,
+        verifier_metadata: dict[str, Any] | None,
+    ) -> None:
+        self._client = client
+        self._server = server
+        self._config = client.config
+        self.session_id = session_id
+        self.rollout_id = rollout_id
+        self.attempt = attempt
+        self.task_id = task_id
+        self.taskset = taskset
+        self.initial_url = initial_url
+        self.verifier_metadata = verifier_metadata
+        self.events: list[str] = []
+        self.closed = False
+        self._http: aiohttp.ClientSession | None = None
+        self._jar = aiohttp.CookieJar(unsafe=True)  # unsafe=True keeps cookies of IP-address hosts
+        self._episode = _EpisodeId(rollout_id=_safe_rollout_id(rollout_id), attempt=attempt)
+
+    @property
+    def server_url(self) -> str:
+        return self._server.url
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                connector=self._client._pool(),
+                connector_owner=False,
+                cookie_jar=self._jar,
+            )
+        return self._http
+
+    # ----- one HTTP exchange ----------------------------------------------------------------------------------
+
+    async def _post(
+        self, path: str, body: Any, *, timeout_s: float, retry: bool, call_kind: FailureKind
+    ) -> tuple[int, Any]:
+        """POST ``body`` and return ``(status, parsed JSON)`` for any answer below 500.
+
+        Raises :class:`EnvironmentFailure` for what the infrastructure did: no connection (``unreachable``), and
+        a timeout, a dropped connection, a 5xx or a body that is not JSON, all of kind ``call_kind`` (``timeout``
+        and ``server_error`` for tool calls; ``seed_failed`` and ``verify_unavailable`` name those calls).
+        """
+        url = f"{self._server.url}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(timeout_s, self._config.connect_timeout_s))
+        attempts = 1 + (self._config.transient_retries if retry else 0)
+        generic = call_kind is FailureKind.SERVER_ERROR
+        for attempt in range(attempts):
+            try:
+                async with self._session().post(url, json=body, timeout=timeout) as response:
+                    text = await response.text()
+                    status = response.status
+            except asyncio.TimeoutError as exc:
+                kind = FailureKind.TIMEOUT if generic else call_kind
+                raise self._failure(kind, f"{path} did not answer within {timeout_s:g}s") from exc
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # Refused or reset before an answer: the one case worth a quick retry of an idempotent call.
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(self._config.retry_backoff_s * (2**attempt))
+                    continue
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    reason = f"cannot connect to {self._server.url} for {path}: {_brief(exc)}"
+                    raise self._failure(FailureKind.UNREACHABLE, reason) from exc
+                kind = FailureKind.UNREACHABLE if generic else call_kind
+                raise self._failure(kind, f"connection dropped during {path}: {type(exc).__name__}") from exc
+            except aiohttp.ClientError as exc:
+                kind = FailureKind.UNREACHABLE if generic else call_kind
+                raise self._failure(kind, f"{path} failed: {type(exc).__name__}: {_brief(exc)}") from exc
+            if status >= 500:
+                raise self._failure(call_kind, f"{path} answered HTTP {status}: {_brief(text)}")
+            try:
+                payload = json.loads(text) if text else None
+            except json.JSONDecodeError as exc:
+                raise self._failure(
+                    call_kind, f"{path} answered HTTP {status} with malformed JSON: {_brief(text)}"
+                ) from exc
+            return status, payload
+        raise AssertionError("unreachable")  # the loop always returns or raises
+
+    def _failure(self, kind: FailureKind, reason: str) -> EnvironmentFailure:
+        return EnvironmentFailure(kind, f"session {self.session_id}: {reason}", server_url=self._server.url)
+
+    # ----- lifecycle ------------------------------------------------------------------------------------------
+
+    async def seed(self) -> None:
+        """Open the browser at the task's start URL. Any failure here is ``seed_failed`` (or ``unreachable``)."""
+        self.events.append("seed")
+        task_data: dict[str, Any] = {}
+        if self.initial_url:
+            task_data["initial_url"] = self.initial_url
+        if self.verifier_metadata:
+            task_data["verifier_metadata"] = self.verifier_metadata
+        body = _SeedRequest(
+            resources_session_id=self.session_id,
+            episode_id=self._episode,
+            task_id=_TaskId(taskset=self.taskset, task_id=self.task_id),
+            task_data=task_data,
+        )
+        status, payload = await self._post(
+            "/seed_session",
+            body.model_dump(),
+            timeout_s=self._config.seed_timeout_s,
+            retry=True,
+            call_kind=FailureKind.SEED_FAILED,
+        )
+        if status != 200:
+            raise self._failure(FailureKind.SEED_FAILED, f"seed rejected (HTTP {status}): {_brief(payload)}")
+        try:
+            answer = _SeedResponse.model_validate(payload)
+        except ValidationError as exc:
+            raise self._failure(
+                FailureKind.SEED_FAILED, f"seed answered an unexpected body: {_brief(payload)}"
+            ) from exc
+        if answer.resources_session_id != self.session_id:
+            raise self._failure(
+                FailureKind.SEED_FAILED, f"seed answered for another session id {answer.resources_session_id!r}"
+            )
+        logger.debug("session %s seeded on %s at %s", self.session_id, self._server.url, self.initial_url)
+
+    async def close(self) -> None:
+        """Release the browser. Idempotent; never raises (a failed close is logged)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.events.append("close")
+        try:
+            body = _CloseRequest(resources_session_id=self.session_id, episode_id=self._episode)
+            status, payload = await self._post(
+                "/close_session",
+                body.model_dump(),
+                timeout_s=self._config.close_timeout_s,
+                retry=True,
+                call_kind=FailureKind.SERVER_ERROR,
+            )
+            if status != 200:
+                logger.warning("session %s: close answered HTTP %s: %s", self.session_id, status, _brief(payload))
+        except EnvironmentFailure as failure:
+            logger.warning("session %s: close failed, the browser may stay open: %s", self.session_id, failure)
+        except BaseException:
+            logger.warning("session %s: close interrupted, the browser may stay open", self.session_id)
+            raise
+        finally:
+            if self._http is not None:
+                http, self._http = self._http, None
+                await http.close()
+
+    async def is_released(self) -> bool:
+        """After :meth:`close`: ask the server, with this session's cookie, whether it still holds the browser.
+
+        A diagnostic for smoke checks and tests (a released session answers "no active session").
+        """
+        if not self.closed:
+            return False
+        async with aiohttp.ClientSession(
+            connector=self._client._pool(), connector_owner=False, cookie_jar=self._jar
+        ) as http:
+            timeout = aiohttp.ClientTimeout(total=self._config.close_timeout_s)
+            async with http.post(f"{self._server.url}/browser_observe", json={}, timeout=timeout) as response:
+                payload = await response.json(content_type=None)
+        return isinstance(payload, dict) and _NO_SESSION_TEXT in str(payload.get("error") or "")
+
+    # ----- tools ----------------------------------------------------------------------------------------------
+
+    async def call(self, tool: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
+        """Run one browser tool. Policy mistakes come back in ``ToolResult.error``; infrastructure raises."""
+        if tool not in TOOL_NAMES:
+            raise ValueError(f"unknown browser tool {tool!r}; expected one of {TOOL_NAMES}")
+        if self.closed:
+            raise self._failure(FailureKind.SESSION_LOST, f"{tool} called after the session was closed")
+        self.events.append(tool.removeprefix("browser_"))
+        status, payload = await self._post(
+            f"/{tool}",
+            dict(arguments or {}),
+            timeout_s=self._config.call_timeout_s,
+            retry=tool in IDEMPOTENT_TOOLS,
+            call_kind=FailureKind.SERVER_ERROR,
+        )
+        if status == 422:
+            return ToolResult(observation="", error=f"invalid arguments for {tool}: {_validation_message(payload)}")
+        if status != 200:
+            raise self._failure(FailureKind.SERVER_ERROR, f"/{tool} answered HTTP {status}: {_brief(payload)}")
+        try:
+            answer = _ToolAnswer.model_validate(payload)
+        except ValidationError as exc:
+            raise self._failure(FailureKind.SERVER_ERROR, f"/{tool} answered an unexpected body") from exc
+        if answer.error:
+            if _NO_SESSION_TEXT in answer.error:
+                raise self._failure(FailureKind.SESSION_LOST, f"the server no longer knows this session ({tool})")
+            if answer.error.startswith(_OBSERVE_FAILED_PREFIX) or _browser_gone(answer.error):
+                raise self._failure(FailureKind.SESSION_LOST, f"the browser is gone: {_brief(answer.error)}")
+        return ToolResult(observation=answer.observation, done=answer.done, error=answer.error)
+
+    async def observe(self) -> ToolResult:
+        return await self.call("browser_observe", {})
+
+    async def navigate(self, url: str) -> ToolResult:
+        return await self.call("browser_navigate", {"url": url})
+
+    async def click(self, element_id: int) -> ToolResult:
+        return await self.call("browser_click", {"element_id": element_id})
+
+    async def type(self, element_id: int, text: str) -> ToolResult:
+        return await self.call("browser_type", {"element_id": element_id, "text": text})
+
+    async def finish(self, answer: str) -> ToolResult:
+        return await self.call("browser_finish", {"answer": answer})
+
+    async def verify(self) -> VerifyResult:
+        """Grade the episode against the seed-time ``verifier_metadata``. The server releases the browser.
+
+        Raises ``verify_unavailable`` (or ``session_lost`` when the server no longer holds the session) whenever
+        the server could not grade: a ``failure_reason``, a 5xx, a timeout, a rejected body. Never a 0.
+        """
+        if not self.verifier_metadata:
+            raise ValueError("this task has no verifier_metadata: score it with the judge, not /verify")
+        self.events.append("verify")
+        status, payload = await self._post(
+            "/verify",
+            _verify_body(self._episode.rollout_id),
+            timeout_s=self._config.verify_timeout_s,
+            retry=False,
+            call_kind=FailureKind.VERIFY_UNAVAILABLE,
+        )
+        if status != 200:
+            raise self._failure(
+                FailureKind.VERIFY_UNAVAILABLE, f"verify rejected (HTTP {status}): {_validation_message(payload)}"
+            )
+        try:
+            answer = _VerifyAnswer.model_validate(payload)
+        except ValidationError as exc:
+            raise self._failure(FailureKind.VERIFY_UNAVAILABLE, "verify answered without a reward") from exc
+        if answer.failure_reason:
+            kind = (
+                FailureKind.SESSION_LOST
+                if _VERIFY_SESSION_NOT_FOUND in answer.failure_reason
+                else FailureKind.VERIFY_UNAVAILABLE
+            )
+            raise self._failure(kind, f"verify could not grade: {_brief(answer.failure_reason)}")
+        return VerifyResult(reward=answer.reward, raw=payload)
+
+
+def _validation_message(payload: Any) -> str:
+    """Condense FastAPI's 422 body (``{"detail": [{"loc": [...], "msg": ...}]}``) into one line for the model."""
+    if isinstance(payload, dict) and isinstance(payload.get("detail"), list):
+        parts = []
+        for item in payload["detail"]:
+            if isinstance(item, dict):
+                loc = ".".join(str(p) for p in item.get("loc", []) if p != "body")
+                parts.append(f"{loc or 'body'}: {item.get('msg', 'invalid')}")
+        if parts:
+            return "; ".join(parts)
+    return _brief(payload)
+
+
+def _safe_rollout_id(rollout_id: str) -> str:
+    """Fit any caller id into the server's ``rollout_id`` pattern: safe characters, no reserved ``-a<N>`` suffix."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", rollout_id) or "rollout"
+    if not cleaned[0].isalnum():
+        cleaned = "r" + cleaned
+    if re.search(r"-a[1-9][0-9]*$", cleaned):
+        cleaned += "_"
+    return cleaned

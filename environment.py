@@ -441,8 +441,13 @@ class BrowserSession:
             except asyncio.TimeoutError as exc:
                 kind = FailureKind.TIMEOUT if generic else call_kind
                 raise self._failure(kind, f"{path} did not answer within {timeout_s:g}s") from exc
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                # Refused or reset before an answer: the one case worth a quick retry of an idempotent call.
+            except (
+                aiohttp.ClientConnectorError,
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError,
+                aiohttp.ClientPayloadError,
+            ) as exc:
+                # Refused, reset or cut off: worth a quick retry when the call is idempotent.
                 if attempt + 1 < attempts:
                     await asyncio.sleep(self._config.retry_backoff_s * (2**attempt))
                     continue

@@ -45,11 +45,25 @@ What it does not model: the items inside the Responses API objects are not valid
 them against OpenAI's types; the echo in the verify answer has the same fields and defaults); ``/aggregate_metrics``
 and ``/reverify_mode`` are absent; the browser is a page table (:class:`Site`), not Chromium.
 
-Faults are injected per endpoint, optionally for one session and for the Nth matching call only
-(:meth:`FakeEnvironmentServer.inject`); the port can be closed and reopened (:meth:`FakeEnvironmentServer.stop`,
-:meth:`~FakeEnvironmentServer.start`, :meth:`~FakeEnvironmentServer.restart`). Lifetimes the fake guarantees: a
-browser is released by verify, by a close, or by a re-seed of its legacy cookie session, and
-:attr:`FakeEnvironmentServer.open_sessions` counts the ones that were not.
+Faults (deterministic; :meth:`FakeEnvironmentServer.inject` per endpoint or ``"*"``, optionally for one session
+and from the Nth matching call for ``times`` calls):
+
+- connection refused: :meth:`~FakeEnvironmentServer.stop`, then :meth:`~FakeEnvironmentServer.start` on the same
+  port (or ``async with server.refusing_connections():``); a server killed and restarted:
+  :meth:`~FakeEnvironmentServer.restart`;
+- ``Fault.status(503)``: a 5xx (default body: ``repr`` of an exception as a JSON string, as nemo_gym sends);
+- ``Fault.hang(seconds)``: wait before handling (a client that gives up cancels the handler, as in nemo_gym);
+- ``Fault.lose_session()`` / :meth:`~FakeEnvironmentServer.lose_session`: the server forgets the session;
+- ``Fault.crash_browser()``: the session's browser dies (page calls fail, verify cannot grade);
+- ``Fault.fail_seed()``: the 500 of a start page that does not load; ``Fault.respond({...})``: any other body;
+- ``Fault.drop_connection(partial)``: headers and part of the body, then the connection is aborted;
+- ``Fault.malformed_json()``: a complete answer whose JSON does not parse;
+- ``latency_s`` / :meth:`~FakeEnvironmentServer.set_latency`: a fixed delay before every call (benchmarks).
+
+Bookkeeping for leak tests: :meth:`~FakeEnvironmentServer.events` (per session: ``["seed", "observe", ...,
+"verify", "close"]``, every call received), :attr:`~FakeEnvironmentServer.open_sessions` (browsers seeded and not
+released by verify, close or a legacy re-seed), :attr:`~FakeEnvironmentServer.orphaned_browsers` (seeds cancelled
+while ``browser_open_s`` was running: the real server strands those browsers).
 
 Example::
 
@@ -74,6 +88,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
@@ -116,7 +131,7 @@ _SESSION_ID_KEY = "session_id"
 
 NO_SESSION_ERROR = "no active session; seed_session must be called first"
 SESSION_NOT_FOUND_AT_VERIFY = "browser session not found at verify"
-# The order `_score` tries them in; also the order its error message lists.
+# As the real "no supported scoring key" message lists them (grading tries answer_equals first).
 _SCORING_KEYS_IN_MESSAGE = ("final_url", "url_contains", "dom_contains", "answer_equals")
 # Body text budget per observation (browser/page.py).
 _MAX_TEXT_CHARS = 2000
@@ -126,6 +141,9 @@ DEFAULT_MAX_ELEMENTS = 50
 _SERVER_KEEPALIVE_S = 30.0
 # uvicorn's graceful shutdown in nemo_gym is 0.5 s; a fake stop should not wait on hung handlers.
 _SHUTDOWN_TIMEOUT_S = 0.05
+_PEERS_NOTICE_CLOSE_S = 0.01
+# uvicorn sets no body limit; aiohttp's default (1 MiB) would turn a long rollout's verify body into a 413.
+_MAX_REQUEST_BYTES = 256 * 1024 * 1024
 # A relative initial_url resolves under the real server's folder; this is where the fake pretends it lives.
 BUNDLED_ROOT = "file:///nemo_gym/resources_servers/interactive_browser/"
 # The example episode of the real server's own data/example.jsonl (first row).
@@ -135,6 +153,13 @@ BUNDLED_VERIFIER_METADATA: Mapping[str, str] = {"url_contains": "about.html"}
 _LIVENESS_PATHS = frozenset({"/", "/health", "/healthz", "/livez", "/readyz"})
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*:")
 _TARGET_CLOSED = "Target page, context or browser has been closed"
+# Ports Chromium refuses to connect to (net::ERR_UNSAFE_PORT), checked against Debian's Chromium.
+_UNSAFE_PORTS = frozenset(
+    {1, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23, 25, 37, 42, 43, 53, 69, 77, 79, 87, 95, 101, 102, 103, 104, 109, 110}
+    | {111, 113, 115, 117, 119, 123, 135, 137, 139, 143, 161, 179, 389, 427, 465, 512, 513, 514, 515, 526, 530, 531}
+    | {532, 540, 548, 554, 556, 563, 587, 601, 636, 989, 990, 993, 995, 1719, 1720, 1723, 2049, 3659, 4045, 5060}
+    | {5061, 6000, 6566, 6665, 6666, 6667, 6668, 6669, 6697, 10080}
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,6 +326,11 @@ _SEED_BODY = TypeAdapter(
     Annotated[ResourcesSeedSessionRequest | BrowserSeedSessionRequest, Field(union_mode="left_to_right")]
 )
 _CLOSE_BODY = TypeAdapter(dict[str, Any] | None)
+_NAVIGATE_BODY = TypeAdapter(NavigateRequest)
+_ELEMENT_BODY = TypeAdapter(ElementRequest)
+_TYPE_BODY = TypeAdapter(TypeRequest)
+_FINISH_BODY = TypeAdapter(FinishRequest)
+_VERIFY_BODY = TypeAdapter(BrowserVerifyRequest)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -410,18 +440,30 @@ class Site:
         return Site({**self._pages, **pages}, root=self.root)
 
     def resolve_initial_url(self, initial_url: str) -> str:
+        """A URL without a scheme is a path under the server folder (``Path(app.py).parent / url``)."""
         if initial_url and not _SCHEME.match(initial_url):
-            return self.root + initial_url.lstrip("/")
+            return (PurePosixPath(urlsplit(self.root).path) / initial_url).as_uri()
         return initial_url
 
     def page(self, url: str) -> Page | None:
-        if url == "about:blank":
+        if url.startswith("about:"):  # about:blank, and any other about: URL, is an empty page
             return _BLANK
-        return self._pages.get(url)
+        return self._pages.get(url) or self._pages.get(url.partition("#")[0])
 
     @property
     def urls(self) -> tuple[str, ...]:
         return tuple(self._pages)
+
+
+def _navigable(url: str) -> bool:
+    """Whether Chromium accepts the URL at all (it refuses one without a scheme or with a bad port)."""
+    if not _SCHEME.match(url):
+        return False
+    try:
+        urlsplit(url).port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError:
+        return False
+    return True
 
 
 def _normalise_url(url: str) -> str:
@@ -461,6 +503,9 @@ def _error_page(url: str) -> tuple[str, Page]:
         text = "Your file couldn’t be accessed\n\nIt may have been moved, edited, or deleted.\n\nERR_FILE_NOT_FOUND"
         return "net::ERR_FILE_NOT_FOUND", Page(title=url, text=text)
     host = parts.hostname or ""
+    if parts.port in _UNSAFE_PORTS:  # checked before any lookup, for every host
+        what = f"The webpage at {url} might be temporarily down or it may have moved permanently to a new web address."
+        return "net::ERR_UNSAFE_PORT", Page(title=host, text=f"This site can’t be reached\n\n{what}\n\nERR_UNSAFE_PORT")
     if host == "localhost" or re.fullmatch(r"[0-9.]+|\[?[0-9a-fA-F:]+\]?", host):
         code, what, hint = (
             "ERR_CONNECTION_REFUSED",
@@ -497,14 +542,14 @@ class _Observation:
 
 
 class _Browser:
-    """One session's page. Element ids bind to (page load, element) pairs at each observation."""
+    """One session's page. Element ids bind to (page load, position on the page) at each observation."""
 
     def __init__(self, site: Site) -> None:
         self._site = site
         self._page = _BLANK
         self._state = PageState(url="about:blank", title="")
         self._load = 0
-        self._bound: dict[int, tuple[int, Element]] = {}
+        self._bound: dict[int, tuple[int, int]] = {}
         self.crashed = False
 
     def _load_page(self, url: str, page: Page) -> None:
@@ -516,7 +561,7 @@ class _Browser:
 
     def goto(self, url: str) -> None:
         self._check_alive("Page.goto")
-        if url != "about:blank" and (not _SCHEME.match(url) or url.startswith("about:")):
+        if not _navigable(url):
             raise Error(_call_log("Page.goto: Protocol error (Page.navigate): Cannot navigate to invalid URL", url))
         url = _normalise_url(url)
         page = self._site.page(url)
@@ -531,41 +576,41 @@ class _Browser:
         self._bound.clear()
         listed: list[tuple[int, str, str]] = []
         truncated = False
-        for element in self._page.elements:
+        for position, element in enumerate(self._page.elements):
             if len(listed) >= max_elements:
                 truncated = True
                 break
             if not element.visible:
                 continue
             eid = len(listed)
-            self._bound[eid] = (self._load, element)
+            self._bound[eid] = (self._load, position)
             listed.append((eid, element.tag, " ".join(element.name.split())[:_ELEMENT_NAME_CHARS]))
         folded = " ".join(self._page.text.split())
         return _Observation(
             url=self._state.url,
-            title=self._state.title,
+            title=" ".join(self._state.title.split()),  # document.title strips and folds whitespace
             elements=tuple(listed),
             text=folded[:_MAX_TEXT_CHARS],
             truncated=truncated,
             text_truncated=len(folded) > _MAX_TEXT_CHARS,
         )
 
-    def _require(self, element_id: int, api: str, detached_log: str) -> Element:
-        if element_id not in self._bound:
+    def _require(self, element_id: int, api: str, detached_log: str) -> tuple[int, Element]:
+        if element_id not in self._bound:  # KeyError: the real message arrives quoted ("click failed: 'element_id")
             raise KeyError(f"element_id {element_id} not in last observation; call browser_observe first")
-        load, element = self._bound[element_id]
+        load, position = self._bound[element_id]
         self._check_alive(api)
         if load != self._load:
             raise Error(f"{api}: Element is not attached to the DOM\nCall log:\n{detached_log}")
-        return element
+        return position, self._page.elements[position]
 
     def click(self, element_id: int) -> None:
-        element = self._require(
+        _, element = self._require(
             element_id,
             "ElementHandle.click",
             "  - attempting click action\n    - waiting for element to be visible, enabled and stable\n",
         )
-        target = element.href if element.href is not None else None
+        target = element.href
         if target is None and element.on_click is not None:
             target = element.on_click(self._state)
         if target is not None:
@@ -581,13 +626,13 @@ class _Browser:
             f'    - fill("{text}")\n'
             "  - attempting fill action\n    - waiting for element to be visible, enabled and editable\n"
         )
-        element = self._require(element_id, "ElementHandle.fill", fill_log)
+        position, element = self._require(element_id, "ElementHandle.fill", fill_log)
         if not element.fillable:
             raise Error(
                 "ElementHandle.fill: Error: Element is not an <input>, <textarea>, <select> or [contenteditable] "
                 f"and does not have a role allowing [aria-readonly]\nCall log:\n{fill_log}"
             )
-        self._state.values[element.key or str(self._page.elements.index(element))] = text
+        self._state.values[element.key or f"#{position}"] = text
 
     def current_url(self) -> str:
         return self._state.url  # Playwright caches page.url: readable even after a crash
@@ -707,16 +752,15 @@ class _DropConnection(FaultAction):
             await asyncio.sleep(0)  # let the partial bytes reach the socket before the close
         if transport is not None:
             transport.abort()
-        raise asyncio.CancelledError  # nothing more to send on a closed transport
+        # There is no response left to return: end the handler the way a disconnect does.
+        raise asyncio.CancelledError
 
 
 class Fault:
     """Factories for the fault actions :meth:`FakeEnvironmentServer.inject` takes."""
 
     @staticmethod
-    def status(
-        status: int = 500, body: str | bytes | Any = None, content_type: str = "application/json"
-    ) -> FaultAction:
+    def status(status: int = 500, body: Any = None, content_type: str = "application/json") -> FaultAction:
         """Answer ``status`` (5xx, or anything) with ``body``: bytes/str as is, otherwise JSON-encoded.
 
         The default body is what nemo_gym's exception middleware sends for an exception: ``repr`` as a JSON string.
@@ -776,15 +820,14 @@ class FaultRule:
     seen: int = 0
     fired: int = 0
 
-    def take(self, endpoint: str, session_id: str) -> bool:
-        if self.endpoint not in ("*", endpoint) or self.session_id not in (None, session_id):
-            return False
-        self.seen += 1
+    def matches(self, endpoint: str, session_id: str) -> bool:
+        return self.endpoint in ("*", endpoint) and self.session_id in (None, session_id)
+
+    @property
+    def due(self) -> bool:
+        """Whether the call just counted in ``seen`` falls in this rule's window."""
         first = self.on_call or 1
-        if self.seen < first or (self.times is not None and self.seen >= first + self.times):
-            return False
-        self.fired += 1
-        return True
+        return self.seen >= first and (self.times is None or self.seen < first + self.times)
 
 
 def _endpoint_name(endpoint: str) -> str:
@@ -961,7 +1004,7 @@ class FakeEnvironmentServer:
         """Listen on 127.0.0.1 (the same port as before after a stop). Idempotent."""
         if self._runner is not None:
             return
-        app = web.Application()
+        app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
         app.router.add_route("*", "/{path:.*}", self._dispatch)
         runner = web.AppRunner(
             app,
@@ -990,6 +1033,9 @@ class FakeEnvironmentServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+            # Clients on this event loop see the closed connections before they reuse a pooled one, as a client
+            # of a real (remote) server would by the time it sends its next request.
+            await asyncio.sleep(_PEERS_NOTICE_CLOSE_S)
         if lose_state:
             self._forget_everything()
 
@@ -1049,10 +1095,10 @@ class FakeEnvironmentServer:
     ) -> FaultRule:
         """Make ``endpoint`` (``"browser_click"``, ``"/verify"``, or ``"*"``) misbehave.
 
-        Calls are counted per rule from the moment it is added, over the requests it matches (endpoint, and
-        ``session_id`` when given). ``on_call=N`` fires from the Nth such call; ``times`` bounds how many calls it
-        fires on (default: 1 with ``on_call``, otherwise every call). Rules are tried in the order added; the first
-        that fires decides. The per-call latency applies before any rule.
+        Every rule counts the requests it matches (endpoint, and ``session_id`` when given) from the moment it is
+        added. It is due from its ``on_call``-th match on (default: the first) for ``times`` matches (default: 1
+        with ``on_call``, otherwise forever). When several rules are due, the one added first acts and the others
+        let that call pass. The per-call latency applies before any rule.
         """
         if on_call is not None and on_call < 1:
             raise ValueError("on_call counts from 1")
@@ -1070,6 +1116,17 @@ class FakeEnvironmentServer:
 
     def clear_faults(self) -> None:
         self._rules.clear()
+
+    def _rule_for(self, endpoint: str, session_id: str) -> FaultRule | None:
+        chosen = None
+        for rule in self._rules:
+            if rule.matches(endpoint, session_id):
+                rule.seen += 1
+                if chosen is None and rule.due:
+                    chosen = rule
+        if chosen is not None:
+            chosen.fired += 1
+        return chosen
 
     def set_latency(self, seconds: float, endpoint: str = "*") -> None:
         """A fixed delay before each call to ``endpoint`` (``"*"``: the server-wide default)."""
@@ -1126,7 +1183,7 @@ class FakeEnvironmentServer:
         delay = self._latency.get(name, self.latency_s)
         if delay > 0:
             await asyncio.sleep(delay)
-        rule = next((r for r in self._rules if r.take(name, call.session_id)), None)
+        rule = self._rule_for(name, call.session_id)
         if rule is not None:
             logger.info("fake environment: %s on %s (session %s)", type(rule.action).__name__, name, call.session_id)
             faulted = await rule.action.apply(self, call, request)
@@ -1272,19 +1329,19 @@ class FakeEnvironmentServer:
         return self._tool_answer(call, "observe", lambda browser: None)  # takes no body: anything is accepted
 
     async def _browser_navigate(self, call: _Call) -> web.Response:
-        body = _parse_body(call, TypeAdapter(NavigateRequest), required=True)
+        body = _parse_body(call, _NAVIGATE_BODY, required=True)
         return self._tool_answer(call, "navigate", lambda browser: browser.goto(body.url))
 
     async def _browser_click(self, call: _Call) -> web.Response:
-        body = _parse_body(call, TypeAdapter(ElementRequest), required=True)
+        body = _parse_body(call, _ELEMENT_BODY, required=True)
         return self._tool_answer(call, "click", lambda browser: browser.click(body.element_id))
 
     async def _browser_type(self, call: _Call) -> web.Response:
-        body = _parse_body(call, TypeAdapter(TypeRequest), required=True)
+        body = _parse_body(call, _TYPE_BODY, required=True)
         return self._tool_answer(call, "type", lambda browser: browser.type(body.element_id, body.text))
 
     async def _browser_finish(self, call: _Call) -> web.Response:
-        body = _parse_body(call, TypeAdapter(FinishRequest), required=True)
+        body = _parse_body(call, _FINISH_BODY, required=True)
         state = self._states.get(call.cookie_session_id)
         if state is None:
             return _json_response(ToolResponse(observation="", error=NO_SESSION_ERROR).model_dump())
@@ -1299,7 +1356,7 @@ class FakeEnvironmentServer:
     # ----- verify ---------------------------------------------------------------------------------------------
 
     async def _verify(self, call: _Call) -> web.Response:
-        body = _parse_body(call, TypeAdapter(BrowserVerifyRequest), required=True)
+        body = _parse_body(call, _VERIFY_BODY, required=True)
         session_id = call.cookie_session_id
         state = self._states.get(session_id)
         reward, failure_reason = 0.0, SESSION_NOT_FOUND_AT_VERIFY
@@ -1355,14 +1412,14 @@ _T = TypeVar("_T")
 
 
 class ThreadedFakeEnvironment:
-    """A :class:`FakeEnvironmentServer` on its own event loop in a daemon thread.
+    """A :class:`FakeEnvironmentServer` on its own event loop in a daemon thread, for synchronous callers.
 
-    ``with server.run_in_thread() as env: requests.post(env.url + ...)``. ``env.run(coro)`` runs a coroutine on the
-    server's loop (``env.run(env.server.restart())``); ``inject`` and the inspection methods are safe to call
-    directly between requests.
+    ``with FakeEnvironmentServer().run_in_thread() as env: ...`` then talk to ``env.url``. ``inject`` and the
+    inspection members of ``env.server`` are safe to use between requests; the port is closed and reopened with
+    :meth:`stop_server`, :meth:`start_server` and :meth:`restart_server`.
     """
 
-    _START_TIMEOUT_S = 10.0
+    _TIMEOUT_S = 10.0
 
     def __init__(self, server: FakeEnvironmentServer) -> None:
         self.server = server
@@ -1374,35 +1431,47 @@ class ThreadedFakeEnvironment:
         return self.server.url
 
     def __enter__(self) -> ThreadedFakeEnvironment:
-        self.start()
+        self.open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def start(self) -> None:
+    def open(self) -> None:
+        """Start the thread and the server in it. Idempotent."""
         if self._thread is not None:
             return
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._thread = threading.Thread(target=loop.run_forever, name="fake-environment", daemon=True)
         self._thread.start()
-        self.run(self.server.start(), timeout_s=self._START_TIMEOUT_S)
+        self.run(self.server.start())
 
-    def run(self, coro: Coroutine[Any, Any, _T], *, timeout_s: float = 30.0) -> _T:
+    def run(self, coro: Coroutine[Any, Any, _T], *, timeout_s: float = _TIMEOUT_S) -> _T:
+        """Run a coroutine on the server's loop and wait for its result."""
         if self._loop is None:
             coro.close()
-            raise RuntimeError("the thread is not running")
+            raise RuntimeError("the fake environment thread is not running")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
 
+    def stop_server(self, *, lose_state: bool = False) -> None:
+        self.run(self.server.stop(lose_state=lose_state))
+
+    def start_server(self) -> None:
+        self.run(self.server.start())
+
+    def restart_server(self) -> None:
+        self.run(self.server.restart())
+
     def close(self) -> None:
+        """Stop the server and the thread. Idempotent."""
         loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
         try:
-            self.run(self.server.stop(), timeout_s=self._START_TIMEOUT_S)
+            self.run(self.server.stop())
         finally:
             loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=self._START_TIMEOUT_S)
+            thread.join(timeout=self._TIMEOUT_S)
             loop.close()
             self._loop = self._thread = None

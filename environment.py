@@ -321,18 +321,12 @@ class EnvironmentClient:
             server.outstanding -= 1
             self._capacity.notify()
 
-    def _report(self, server: _Server, failure: EnvironmentFailure | None) -> None:
-        if failure is not None and failure.kind in (FailureKind.UNREACHABLE, FailureKind.TIMEOUT):
-            if server.available(time.monotonic()):
-                logger.warning(
-                    "environment server %s out of rotation for %.0fs: %s",
-                    server.url,
-                    self.config.server_cooldown_s,
-                    failure.reason,
-                )
-            server.down_until = time.monotonic() + self.config.server_cooldown_s
-        elif failure is None:
-            server.down_until = 0.0
+    def _mark_down(self, server: _Server, reason: str) -> None:
+        if server.available(time.monotonic()):
+            logger.warning(
+                "environment server %s out of rotation for %.0fs: %s", server.url, self.config.server_cooldown_s, reason
+            )
+        server.down_until = time.monotonic() + self.config.server_cooldown_s
 
     @asynccontextmanager
     async def session(
@@ -359,12 +353,8 @@ class EnvironmentClient:
             verifier_metadata=validate_verifier_metadata(verifier_metadata),
         )
         try:
-            try:
-                await session.seed()
-            except EnvironmentFailure as failure:
-                self._report(server, failure)
-                raise
-            self._report(server, None)
+            await session.seed()
+            server.down_until = 0.0  # it answered: back in rotation, if it was out
             yield session
         finally:
             try:
@@ -440,7 +430,7 @@ class BrowserSession:
                     status = response.status
             except asyncio.TimeoutError as exc:
                 kind = FailureKind.TIMEOUT if generic else call_kind
-                raise self._failure(kind, f"{path} did not answer within {timeout_s:g}s") from exc
+                raise self._server_down(self._failure(kind, f"{path} did not answer within {timeout_s:g}s")) from exc
             except (
                 aiohttp.ClientConnectorError,
                 aiohttp.ServerDisconnectedError,
@@ -453,9 +443,10 @@ class BrowserSession:
                     continue
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     reason = f"cannot connect to {self._server.url} for {path}: {_brief(exc)}"
-                    raise self._failure(FailureKind.UNREACHABLE, reason) from exc
+                    raise self._server_down(self._failure(FailureKind.UNREACHABLE, reason)) from exc
                 kind = FailureKind.UNREACHABLE if generic else call_kind
-                raise self._failure(kind, f"connection dropped during {path}: {type(exc).__name__}") from exc
+                reason = f"connection dropped during {path}: {type(exc).__name__}"
+                raise self._server_down(self._failure(kind, reason)) from exc
             except aiohttp.ClientError as exc:
                 kind = FailureKind.UNREACHABLE if generic else call_kind
                 raise self._failure(kind, f"{path} failed: {type(exc).__name__}: {_brief(exc)}") from exc
@@ -469,6 +460,12 @@ class BrowserSession:
                 ) from exc
             return status, payload
         raise AssertionError("unreachable")  # the loop always returns or raises
+
+    def _server_down(self, failure: EnvironmentFailure) -> EnvironmentFailure:
+        """Take the server out of rotation (unless closing): the resample of this rollout goes to another one."""
+        if not self.closed:
+            self._client._mark_down(self._server, failure.reason)
+        return failure
 
     def _failure(self, kind: FailureKind, reason: str) -> EnvironmentFailure:
         return EnvironmentFailure(kind, f"session {self.session_id}: {reason}", server_url=self._server.url)

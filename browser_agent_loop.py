@@ -1,0 +1,930 @@
+"""The policy acting in a NeMo Gym browser through verl 0.9.1's ``ToolAgentLoop``, with bounded, resampled episodes.
+
+What this module owns
+    * :class:`BrowserTool` (a verl ``BaseTool``): a tool call becomes a browser action on the rollout's own
+      session. One class serves the recipe's single ``browser`` tool (``action`` = observe / navigate / click /
+      type / finish) and NeMo Gym's five native tools (``browser_observe`` ... ``browser_finish``); the tool
+      name in the tool config decides which.
+    * :class:`BrowserToolAgentLoop` (a verl ``ToolAgentLoop``, registered as ``nemo_gym_browser_agent`` through
+      ``configs/agent_loop.yaml``): the lifetime of the episode, its deadline, its attempts, its score and the
+      per-sample flags.
+
+Lifetimes it guarantees
+    verl creates and releases a tool instance around every single call and turns every tool exception into a
+    chat message, so the browser session cannot belong to the tool. It belongs to the loop: one environment
+    session per *attempt*, opened from the row's ``tools_kwargs`` (start URL, verifier metadata, task id) by
+    ``async with``, hence closed whatever ends the attempt (success, failure, deadline, cancellation). The tool
+    finds the attempt's :class:`BrowserEpisode` on verl's ``AgentData`` (attached when the attempt starts), never
+    through ``request_id``, which verl makes ``det-<priority>`` under ``full_determinism``.
+
+Who caused it decides (``../shared/notes/failure-handling.md``)
+    * Infrastructure (an :class:`~nemo_gym_browser.environment.EnvironmentFailure`: seed failed, session lost,
+      unreachable, 5xx, a call hung past its per-call timeout, verify could not grade, the judge gave no usable
+      verdict): recorded on the episode the moment it happens, the attempt ends at once (no further model call),
+      its session is closed, and the rollout is re-run from scratch in a new session, up to ``max_attempts``.
+      Still failing after that: the sample is flagged ``env_invalid`` with its loss masked and reward 0 (kept out
+      of the GRPO baseline by ``grpo_env_aware``), or dropped (``[]``) under the V1 trainer when the drop switch
+      is on.
+    * Policy (a legitimate outcome, scored as it stands): bad tool arguments, unknown actions, element ids not on
+      the page, URLs it chose that fail to load or are refused, no answer, running out of turns or tokens, and
+      the wall-clock episode deadline. Invalidity is never inferred from a short or empty response.
+
+Where the flags go
+    ``AgentLoopOutput.extra_fields`` of the returned sample, written at the end of ``run`` (never before the first
+    generation, which would stop verl copying ``min/max_global_steps``): ``env_invalid``, ``env_failure_kind``,
+    ``env_failure_reason``, ``env_attempts``, ``deadline_hit``, ``reward_source``, plus ``env_failed_attempt_kinds``,
+    ``env_episode_wall_s``, ``env_refused_navigations`` for metrics, and numeric copies under
+    ``reward_extra_info`` (see :mod:`nemo_gym_browser.episode_metrics`).
+
+Settings
+    Constructor keyword arguments from the agent-loop YAML (``configs/agent_loop.yaml``), overridden key by key by
+    the trainer config section ``nemo_gym_browser`` (e.g. ``+nemo_gym_browser.environment.server_urls=[...]`` on
+    the ``main_ppo`` command line): both travel inside verl's config to the Ray workers, unlike shell variables.
+    The one exception is the drop switch ``NEMO_GYM_BROWSER_DROP_INVALID=1``, named by the project contract; the
+    ``drop_invalid`` setting, when set, takes precedence over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import json
+import logging
+import os
+import re
+import time
+import uuid
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
+from verl.experimental.agent_loop.tool_parser import FunctionCall, HermesToolParser
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from verl.utils.ray_utils import get_event_loop
+
+from .environment import (
+    BrowserSession,
+    EnvironmentClient,
+    EnvironmentConfig,
+    EnvironmentFailure,
+    FailureKind,
+    ToolResult,
+)
+from .episode_metrics import reward_extra_info
+from .judge import BinaryJudge, JudgeConfig, JudgeEvidence
+from .url_safety import UrlGuard, UrlPolicy, UrlRefused, url_scheme
+
+logger = logging.getLogger(__name__)
+
+AGENT_LOOP_NAME = "nemo_gym_browser_agent"
+DROP_INVALID_ENV = "NEMO_GYM_BROWSER_DROP_INVALID"
+# The trainer-config section whose keys override the agent-loop YAML kwargs.
+TRAINER_CONFIG_SECTION = "nemo_gym_browser"
+# Where the attempt's episode hangs on verl's AgentData (verl itself adds private attributes there too).
+EPISODE_ATTRIBUTE = "nemo_gym_browser_episode"
+
+ACTIONS = ("observe", "navigate", "click", "type", "finish")
+NATIVE_TOOL_ACTIONS = {f"browser_{action}": action for action in ACTIONS}
+SINGLE_TOOL_NAME = "browser"
+# Keyword arguments verl's AgentLoopWorker passes to every agent loop; anything else must be a setting of ours.
+_VERL_LOOP_KWARGS = frozenset(
+    {
+        "trainer_config",
+        "server_manager",
+        "tokenizer",
+        "processor",
+        "dataset_cls",
+        "data_config",
+        "hf_model_type",
+        "tools",
+    }
+)
+# Below this many characters an observation (element list + page text) is visibly cut by verl's truncation.
+_OBSERVATION_FLOOR_CHARS = 2048
+# A resample waits this long before its second attempt, doubling per further attempt, at most the cap.
+_BACKOFF_CAP_S = 30.0
+
+DEADLINE_MESSAGE = "The time limit of this episode has been reached; no further browser actions are possible."
+FINISHED_MESSAGE = "The task is already finished; no further browser actions are possible."
+ABANDONED_MESSAGE = "The browser environment failed; this attempt is abandoned."
+
+_CURRENT_EPISODE: contextvars.ContextVar[BrowserEpisode | None] = contextvars.ContextVar(
+    "nemo_gym_browser_current_episode", default=None
+)
+
+
+# ----- settings -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BrowserLoopSettings:
+    """Everything an operator tunes about browser episodes (agent-loop YAML kwargs + ``nemo_gym_browser`` section)."""
+
+    environment: EnvironmentConfig
+    episode_deadline_s: float = 1800.0  # wall clock per attempt, from the seeded session to the last action
+    max_attempts: int = 3  # attempts per rollout, the first one included
+    resample_backoff_s: float = 1.0  # wait before the second attempt (doubles per further attempt)
+    drop_invalid: bool | None = None  # None: read NEMO_GYM_BROWSER_DROP_INVALID
+    url_policy: UrlPolicy = field(default_factory=UrlPolicy)
+    judge: JudgeConfig | None = None  # scores tasks without verifier_metadata
+    lenient_tool_call_parsing: bool = True  # a malformed <tool_call> becomes an error message, not a silent stop
+    max_tool_response_length: int | None = None  # overrides multi_turn.max_tool_response_length when set
+    call_timeout_grace_s: float = 5.0  # safety net above the environment's own per-call timeout
+
+    def __post_init__(self) -> None:
+        if self.episode_deadline_s <= 0:
+            raise ValueError("episode_deadline_s must be positive")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.resample_backoff_s < 0 or self.call_timeout_grace_s < 0:
+            raise ValueError("resample_backoff_s and call_timeout_grace_s must not be negative")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> BrowserLoopSettings:
+        values = dict(values)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown nemo_gym_browser agent-loop settings {unknown}; known: {sorted(known)}")
+        environment = values.pop("environment", None) or {}
+        if not environment.get("server_urls"):
+            raise ValueError(
+                "no environment server: set environment.server_urls in the agent-loop config (configs/agent_loop.yaml) "
+                f"or +{TRAINER_CONFIG_SECTION}.environment.server_urls=[...] on the command line"
+            )
+        policy = values.pop("url_policy", None) or {}
+        policy_known = {f.name for f in fields(UrlPolicy)}
+        if set(policy) - policy_known:
+            raise ValueError(
+                f"unknown url_policy keys {sorted(set(policy) - policy_known)}; known: {sorted(policy_known)}"
+            )
+        if "allowlist" in policy:
+            policy["allowlist"] = tuple(policy["allowlist"] or ())
+        judge = values.pop("judge", None)
+        if isinstance(judge, str):
+            judge = JudgeConfig.from_yaml(_recipe_path(judge))
+        elif isinstance(judge, Mapping):
+            judge = JudgeConfig.from_mapping(judge)
+        return cls(
+            environment=EnvironmentConfig.from_mapping(environment),
+            url_policy=UrlPolicy(**policy),
+            judge=judge,
+            **values,
+        )
+
+
+def _recipe_path(path: str) -> str:
+    """``path`` as given when it exists, else relative to the recipe folder (``configs/judge.yaml`` works anywhere)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    return candidate if os.path.exists(candidate) else path
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@functools.lru_cache(maxsize=64)
+def _settings_from_json(text: str) -> BrowserLoopSettings:
+    return BrowserLoopSettings.from_mapping(json.loads(text))
+
+
+def resolve_settings(loop_kwargs: Mapping[str, Any], trainer_config: Any = None) -> BrowserLoopSettings:
+    """The loop's settings: YAML kwargs, then the trainer config's ``nemo_gym_browser`` section on top."""
+    merged = {key: _plain(value) for key, value in loop_kwargs.items()}
+    section = trainer_config.get(TRAINER_CONFIG_SECTION) if trainer_config is not None else None
+    if section:
+        merged = _deep_merge(merged, _plain(section))
+    # Parsed once per distinct configuration per process: a loop object is built for every sample.
+    return _settings_from_json(json.dumps(merged, sort_keys=True, default=str))
+
+
+def drop_invalid_enabled(setting: bool | None) -> bool:
+    """The drop switch: the ``drop_invalid`` setting when given, else ``NEMO_GYM_BROWSER_DROP_INVALID``."""
+    if setting is not None:
+        return bool(setting)
+    return os.environ.get(DROP_INVALID_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def running_under_v1_trainer(run_kwargs: Mapping[str, Any]) -> bool:
+    """Whether verl's V1 trainer called ``run``.
+
+    In verl 0.9.1 only ``AgentLoopWorkerTQ._run_prompt`` passes ``session_id`` (the index among the ``rollout.n``
+    samples) next to the batch's ``global_steps``; the legacy ``AgentLoopWorker`` passes dataset columns only.
+    """
+    return "session_id" in run_kwargs and "global_steps" in run_kwargs
+
+
+# ----- shared environment clients ----------------------------------------------------------------------------
+
+# One client (one connection pool) per event loop and configuration: loops are built per sample, the pool is not.
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[EnvironmentConfig, EnvironmentClient]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared_environment_client(config: EnvironmentConfig) -> EnvironmentClient:
+    """The running event loop's client for ``config`` (created on first use)."""
+    per_loop = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    client = per_loop.get(config)
+    if client is None:
+        client = per_loop[config] = EnvironmentClient(config)
+    return client
+
+
+async def close_shared_clients() -> None:
+    """Close the running event loop's environment clients (tests, benchmarks, clean worker shutdown)."""
+    per_loop = _CLIENTS.pop(asyncio.get_running_loop(), {})
+    for client in per_loop.values():
+        await client.close()
+
+
+# ----- the task of one row ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What one row asks for, read from ``tools_kwargs[<tool>]["create_kwargs"]`` (written by ``dataset.py``)."""
+
+    task_id: str
+    initial_url: str | None
+    verifier_metadata: dict[str, Any] | None
+    question: str | None = None
+    reference_answer: str | None = None
+    taskset: str | None = None
+
+    @classmethod
+    def from_tools_kwargs(cls, tools_kwargs: Any) -> EpisodeSpec:
+        tools_kwargs = _plain(tools_kwargs) or {}
+        if not isinstance(tools_kwargs, Mapping):
+            raise ValueError(f"tools_kwargs must be a mapping, got {type(tools_kwargs).__name__}")
+        create = None
+        for name in (SINGLE_TOOL_NAME, *NATIVE_TOOL_ACTIONS):
+            entry = tools_kwargs.get(name)
+            if isinstance(entry, Mapping) and isinstance(entry.get("create_kwargs"), Mapping):
+                create = entry["create_kwargs"]
+                break
+        if create is None or not create.get("task_id"):
+            raise ValueError(
+                "the row has no tools_kwargs['browser']['create_kwargs'] with a task_id; "
+                "build the dataset with nemo_gym_browser.dataset (data.custom_cls)"
+            )
+        task = create.get("task") or {}
+        metadata = create.get("verifier_metadata") or None
+        return cls(
+            task_id=str(create["task_id"]),
+            initial_url=create.get("initial_url") or None,
+            verifier_metadata=dict(metadata) if metadata else None,
+            question=task.get("question") or None,
+            reference_answer=task.get("reference_answer") or None,
+            taskset=create.get("taskset") or None,
+        )
+
+
+# ----- one attempt's live state -------------------------------------------------------------------------------
+
+
+class _DeadlineReached(Exception):
+    pass
+
+
+def parse_tool_call(tool_name: str, parameters: Any) -> tuple[str, dict[str, Any]] | str:
+    """``(environment tool, arguments)`` for a call of ``tool_name``, or the policy error to show the model.
+
+    The single ``browser`` tool is validated here (its schema is ours); native tools are forwarded verbatim so
+    the server's own validation (422) speaks, as in NeMo Gym's evaluation.
+    """
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters)
+        except json.JSONDecodeError:
+            return "the arguments must be a JSON object"
+    if not isinstance(parameters, Mapping):
+        return "the arguments must be a JSON object"
+    if tool_name in NATIVE_TOOL_ACTIONS:
+        return tool_name, dict(parameters)
+    action = parameters.get("action")
+    if not isinstance(action, str) or action.strip().lower() not in ACTIONS:
+        return f"unknown action {action!r}; the browser tool's action is one of {', '.join(ACTIONS)}"
+    action = action.strip().lower()
+    arguments: dict[str, Any] = {}
+    if action == "navigate":
+        url = parameters.get("url")
+        if not isinstance(url, str) or not url.strip():
+            return "navigate needs a url (a string)"
+        arguments["url"] = url.strip()
+    if action in ("click", "type"):
+        element_id = parameters.get("element_id")
+        if isinstance(element_id, str) and element_id.strip().isdigit():
+            element_id = int(element_id)
+        if isinstance(element_id, float) and element_id.is_integer():
+            element_id = int(element_id)
+        if not isinstance(element_id, int) or isinstance(element_id, bool) or element_id < 0:
+            return f"{action} needs an element_id (a number from the last observation's element list)"
+        arguments["element_id"] = element_id
+    if action == "type":
+        text = parameters.get("text")
+        if not isinstance(text, str):
+            return "type needs a text (a string)"
+        arguments["text"] = text
+    if action == "finish":
+        answer = parameters.get("answer")
+        if answer is None:
+            return "finish needs an answer (a string)"
+        arguments["answer"] = answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
+    return f"browser_{action}", arguments
+
+
+def render_result(result: ToolResult) -> str:
+    """The text the model reads for one browser answer."""
+    if result.error:
+        return f"Error: {result.error}" + (f"\n{result.observation}" if result.observation else "")
+    if result.done:
+        return result.observation or "Finished: your answer was recorded."
+    return result.observation or "(the browser returned no observation)"
+
+
+def parse_observation(observation: str | None) -> tuple[str | None, str | None, str | None]:
+    """``(url, title, text)`` of a NeMo Gym observation (``URL:``/``TITLE:``/``ELEMENTS:``/``TEXT:`` sections)."""
+    if not observation:
+        return None, None, None
+    url = re.search(r"^URL: ?(.*)$", observation, flags=re.MULTILINE)
+    title = re.search(r"^TITLE: ?(.*)$", observation, flags=re.MULTILINE)
+    text = re.search(r"^TEXT:(.*)\Z", observation, flags=re.MULTILINE | re.DOTALL)
+    return (
+        url.group(1).strip() if url else None,
+        title.group(1).strip() if title else None,
+        " ".join(text.group(1).split()) if text else None,
+    )
+
+
+class BrowserEpisode:
+    """One attempt: its session, deadline, URL guard and what happened so far. Owned by the loop."""
+
+    def __init__(
+        self,
+        *,
+        session: BrowserSession,
+        guard: UrlGuard,
+        deadline: float,
+        call_bound_s: float,
+        label: str,
+    ) -> None:
+        self.session = session
+        self.guard = guard
+        self.deadline = deadline
+        self.call_bound_s = call_bound_s
+        self.label = label
+        self.failure: EnvironmentFailure | None = None
+        self.deadline_hit = False
+        self.finished = False
+        self.final_answer: str | None = None
+        self.last_observation: str | None = None
+        self.steps: list[str] = []
+        self.tool_calls = 0
+        self.policy_errors = 0
+        self.refused_navigations = 0
+        self._page_changed = False
+
+    @property
+    def over(self) -> bool:
+        """No further action or generation makes sense (infrastructure failed, deadline passed, task finished)."""
+        return self.failure is not None or self.deadline_hit or self.finished
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def fail(self, failure: EnvironmentFailure) -> None:
+        if self.failure is None:
+            self.failure = failure
+            logger.warning("%s: infrastructure failure (%s): %s", self.label, failure.kind.value, failure.reason)
+
+    def hit_deadline(self, where: str) -> None:
+        if not self.deadline_hit:
+            self.deadline_hit = True
+            logger.info("%s: episode deadline reached during %s", self.label, where)
+
+    def _closed_message(self) -> str:
+        if self.failure is not None:
+            return ABANDONED_MESSAGE
+        return DEADLINE_MESSAGE if self.deadline_hit else FINISHED_MESSAGE
+
+    async def act(self, tool_name: str, parameters: Any) -> str:
+        """Run one tool call of the policy; return what the model reads. Never raises for environment outcomes."""
+        if self.over:
+            return self._closed_message()
+        parsed = parse_tool_call(tool_name, parameters)
+        if isinstance(parsed, str):
+            self.policy_errors += 1
+            self.steps.append(f"{tool_name}: invalid call ({parsed})")
+            return f"Error: {parsed}"
+        tool, arguments = parsed
+        if self.remaining() <= 0:
+            self.hit_deadline("a tool call")
+            return DEADLINE_MESSAGE
+        if tool == "browser_navigate" and isinstance(arguments.get("url"), str):
+            try:
+                await self.guard.check(arguments["url"])
+            except UrlRefused as refusal:
+                self.refused_navigations += 1
+                self.steps.append(f"navigate({arguments['url'][:80]!r}) -> refused")
+                return f"Error: navigation refused: {refusal}"
+        self.tool_calls += 1
+        try:
+            result = await self._bounded_call(tool, arguments)
+        except _DeadlineReached:
+            self.hit_deadline(tool)
+            return DEADLINE_MESSAGE
+        except EnvironmentFailure as failure:
+            self.fail(failure)
+            return ABANDONED_MESSAGE
+        except Exception as exc:  # an unmapped error is still the environment's, never a policy zero
+            logger.exception("%s: unexpected error from %s", self.label, tool)
+            self.fail(EnvironmentFailure(FailureKind.SERVER_ERROR, f"{tool} raised {type(exc).__name__}: {exc}"))
+            return ABANDONED_MESSAGE
+        self._record(tool, arguments, result)
+        return render_result(result)
+
+    async def _bounded_call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        remaining = self.remaining()
+        if remaining < self.call_bound_s:
+            try:
+                return await asyncio.wait_for(self.session.call(tool, arguments), remaining)
+            except asyncio.TimeoutError:
+                raise _DeadlineReached from None
+        try:
+            return await asyncio.wait_for(self.session.call(tool, arguments), self.call_bound_s)
+        except asyncio.TimeoutError:
+            raise EnvironmentFailure(
+                FailureKind.TIMEOUT, f"{tool} did not answer within {self.call_bound_s:g}s"
+            ) from None
+
+    def _record(self, tool: str, arguments: dict[str, Any], result: ToolResult) -> None:
+        action = tool.removeprefix("browser_")
+        shown = ", ".join(f"{k}={v!r}"[:80] for k, v in arguments.items())
+        if result.error:
+            self.policy_errors += 1
+            self.steps.append(f"{action}({shown}) -> error: {result.error[:120]}")
+        else:
+            self.steps.append(f"{action}({shown}) -> ok")
+        if result.observation:
+            # The task's start page is honoured by the URL guard; for a relative start URL it is learnt from the
+            # first observation made before the policy changed the page.
+            if not self._page_changed and not self.guard.knows_start_page:
+                start_url, _, _ = parse_observation(result.observation)
+                if start_url:
+                    self.guard.note_start_page(start_url)
+            self.last_observation = result.observation
+        if action in ("navigate", "click", "type"):
+            self._page_changed = True
+        if action == "finish" and not result.error and self.final_answer is None:
+            self.final_answer = arguments.get("answer")
+        if result.done:
+            self.finished = True
+
+
+def episode_of(agent_data: Any) -> BrowserEpisode | None:
+    return getattr(agent_data, EPISODE_ATTRIBUTE, None)
+
+
+# ----- the tool -----------------------------------------------------------------------------------------------
+
+
+def _schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> OpenAIFunctionToolSchema:
+    return OpenAIFunctionToolSchema.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": description,
+                "parameters": {"type": "object", "properties": properties, "required": required},
+            },
+        }
+    )
+
+
+_ELEMENT_ID = {"type": "integer", "description": "An element id from the last observation's ELEMENTS list."}
+
+
+def default_tool_schema(name: str) -> OpenAIFunctionToolSchema:
+    """The schema the recipe's configs expose for ``name`` (``browser`` or one of the five native tools)."""
+    if name == SINGLE_TOOL_NAME:
+        return _schema(
+            SINGLE_TOOL_NAME,
+            "Act in a web browser. observe: read the current page (URL, title, numbered elements, text). "
+            "navigate: open a url. click: click an element by id. type: type text into an element by id. "
+            "finish: end the task with your answer.",
+            {
+                "action": {"type": "string", "enum": list(ACTIONS), "description": "What to do."},
+                "url": {"type": "string", "description": "For navigate: an absolute http(s) URL."},
+                "element_id": {
+                    "type": "integer",
+                    "description": "For click and type: an element id from the last observation's ELEMENTS list.",
+                },
+                "text": {"type": "string", "description": "For type: the text to enter."},
+                "answer": {"type": "string", "description": "For finish: your final answer."},
+            },
+            ["action"],
+        )
+    natives = {
+        "browser_observe": ("Read the current page: URL, title, numbered interactive elements and text.", {}, []),
+        "browser_navigate": (
+            "Open a URL in the browser.",
+            {"url": {"type": "string", "description": "An absolute http(s) URL."}},
+            ["url"],
+        ),
+        "browser_click": ("Click an element of the last observation.", {"element_id": _ELEMENT_ID}, ["element_id"]),
+        "browser_type": (
+            "Type text into an element of the last observation.",
+            {"element_id": _ELEMENT_ID, "text": {"type": "string", "description": "The text to enter."}},
+            ["element_id", "text"],
+        ),
+        "browser_finish": (
+            "End the task with your final answer.",
+            {"answer": {"type": "string", "description": "Your final answer."}},
+            ["answer"],
+        ),
+    }
+    if name not in natives:
+        raise ValueError(f"no browser tool is named {name!r}; expected {SINGLE_TOOL_NAME!r} or one of {list(natives)}")
+    description, properties, required = natives[name]
+    return _schema(name, description, properties, required)
+
+
+class BrowserTool(BaseTool):
+    """A browser action on the rollout's own session (see the module docstring).
+
+    Tool config (``configs/browser_tool.yaml``, ``configs/browser_native_tools.yaml``)::
+
+        tools:
+          - class_name: nemo_gym_browser.browser_agent_loop.BrowserTool
+            config: {type: native, name: browser}     # name used when tool_schema is omitted
+            tool_schema: {...}                         # optional; the schema's name decides the interface
+
+    It only works inside :class:`BrowserToolAgentLoop`, which owns the session.
+    """
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None) -> None:
+        name = (tool_schema.function.name if tool_schema else None) or (config or {}).get("name") or SINGLE_TOOL_NAME
+        if name != SINGLE_TOOL_NAME and name not in NATIVE_TOOL_ACTIONS:
+            raise ValueError(
+                f"BrowserTool cannot be named {name!r}: use {SINGLE_TOOL_NAME!r} or one of {list(NATIVE_TOOL_ACTIONS)}"
+            )
+        super().__init__(config or {}, tool_schema or default_tool_schema(name))
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
+        # Nothing per call: the session lives on the loop's episode, found through agent_data in execute.
+        return instance_id or uuid.uuid4().hex, ToolResponse()
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict]:
+        episode = episode_of(kwargs.get("agent_data"))
+        if episode is None:
+            raise RuntimeError(
+                f"the {self.name} tool has no browser session: it only runs inside BrowserToolAgentLoop "
+                f"(agent_name {AGENT_LOOP_NAME!r}, registered by configs/agent_loop.yaml)"
+            )
+        return ToolResponse(text=await episode.act(self.name, parameters)), 0.0, {}
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        return None
+
+
+# ----- tool-call parsing --------------------------------------------------------------------------------------
+
+
+class LenientHermesToolParser(HermesToolParser):
+    """verl's hermes parser, except that a malformed ``<tool_call>`` block is not silently dropped.
+
+    Upstream drops a block whose JSON does not parse, so the episode simply ends and the model never learns why.
+    Here such a block becomes a call whose arguments are the raw text: verl's own ``_call_tool`` then answers
+    "Invalid JSON in arguments ..." (or "Unknown function ...") as a tool message, a policy error the model reads.
+    Well-formed blocks parse exactly as upstream, except that arguments written as a JSON string are passed on
+    verbatim (so a double-encoded object still reaches the tool as an object).
+    """
+
+    _name_in_text = re.compile(r'"name"\s*:\s*"([^"]*)"')
+
+    async def extract_tool_calls(self, responses_ids: list[int], tools: Any = None) -> tuple[str, list[FunctionCall]]:
+        loop = get_event_loop()
+        text = await loop.run_in_executor(None, self.tokenizer.decode, responses_ids)
+        if self.tool_call_start_token not in text or self.tool_call_end_token not in text:
+            return text, []
+        calls = []
+        for block in self.tool_call_regex.findall(text):
+            calls.append(self._call_from_block(block))
+        return self.tool_call_regex.sub("", text), calls
+
+    def _call_from_block(self, block: str) -> FunctionCall:
+        try:
+            payload = json.loads(block)
+        except json.JSONDecodeError:
+            payload = None
+        if isinstance(payload, dict) and isinstance(payload.get("name"), str):
+            arguments = payload.get("arguments", {})
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            return FunctionCall(name=payload["name"], arguments=arguments)
+        guessed = self._name_in_text.search(block)
+        return FunctionCall(name=guessed.group(1) if guessed else "", arguments=block.strip())
+
+
+# ----- the agent loop -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _AttemptOutcome:
+    output: AgentLoopOutput | None
+    failure: EnvironmentFailure | None
+    reward: float = 0.0
+    reward_source: str | None = None
+    deadline_hit: bool = False
+    refused_navigations: int = 0
+
+
+class BrowserToolAgentLoop(ToolAgentLoop):
+    """verl's ``ToolAgentLoop`` with one browser session per attempt, a deadline, resampling and flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("name", None)  # verl passes the registry entry whole, its name included
+        settings_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key not in _VERL_LOOP_KWARGS}
+        super().__init__(*args, **kwargs)
+        self.settings = resolve_settings(settings_kwargs, self.config)
+        if self.settings.max_tool_response_length is not None:
+            self.max_tool_response_length = self.settings.max_tool_response_length
+        if self.max_tool_response_length < _OBSERVATION_FLOOR_CHARS:
+            _warn_once(
+                "short-observations",
+                "multi_turn.max_tool_response_length=%s characters cuts browser observations (up to ~5000 "
+                "characters); set max_tool_response_length in configs/agent_loop.yaml or on the command line",
+                self.max_tool_response_length,
+            )
+        if self.settings.lenient_tool_call_parsing and self.tool_parser_name == "hermes":
+            self.tool_parser = LenientHermesToolParser(self.tokenizer)
+        if not any(isinstance(tool, BrowserTool) for tool in self.tools.values()):
+            raise ValueError(
+                "BrowserToolAgentLoop found no BrowserTool: set actor_rollout_ref.rollout.multi_turn.tool_config_path "
+                "to configs/browser_tool.yaml (or configs/browser_native_tools.yaml)"
+            )
+        self._judge = BinaryJudge.shared(self.settings.judge) if self.settings.judge is not None else None
+
+    # --- the rollout -------------------------------------------------------------------------------------------
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list[AgentLoopOutput]:
+        spec = EpisodeSpec.from_tools_kwargs(kwargs.get("tools_kwargs"))
+        if spec.verifier_metadata is None and self._judge is None:
+            raise ValueError(
+                f"task {spec.task_id!r} has no verifier_metadata, so it needs the judge, and no judge is configured "
+                "(set judge in configs/agent_loop.yaml or the nemo_gym_browser section)"
+            )
+        under_v1 = running_under_v1_trainer(kwargs)
+        rollout_id = f"r{kwargs.get('index', 'x')}-{uuid.uuid4().hex[:16]}"
+        started = time.monotonic()
+        failed_kinds: list[str] = []
+        timings = {"generate_sequences": 0.0, "tool_calls": 0.0}
+        outcome = _AttemptOutcome(output=None, failure=None)
+        attempt = 0
+        for attempt in range(1, self.settings.max_attempts + 1):
+            if attempt > 1 and self.settings.resample_backoff_s > 0:
+                await asyncio.sleep(min(self.settings.resample_backoff_s * 2 ** (attempt - 2), _BACKOFF_CAP_S))
+            outcome = await self._run_attempt(sampling_params, kwargs, spec, rollout_id, attempt)
+            if outcome.output is not None:
+                for key in timings:
+                    timings[key] += float(getattr(outcome.output.metrics, key, 0.0) or 0.0)
+            if outcome.failure is None:
+                break
+            failed_kinds.append(outcome.failure.kind.value)
+            logger.warning(
+                "rollout %s task %s: attempt %d/%d failed (%s)%s",
+                rollout_id,
+                spec.task_id,
+                attempt,
+                self.settings.max_attempts,
+                outcome.failure.kind.value,
+                ", resampling" if attempt < self.settings.max_attempts else ", giving up",
+            )
+
+        invalid = outcome.failure is not None
+        if invalid and drop_invalid_enabled(self.settings.drop_invalid):
+            if under_v1:
+                logger.warning(
+                    "rollout %s task %s: still invalid after %d attempts, dropped", rollout_id, spec.task_id, attempt
+                )
+                return []
+            _warn_legacy_drop()
+
+        output = outcome.output if outcome.output is not None else await self._placeholder_output(kwargs)
+        if invalid:
+            output.response_mask = [0] * len(output.response_mask)  # out of the loss; the estimator drops the reward
+        _ensure_response_token(output, self.tokenizer)
+        output.reward_score = 0.0 if invalid else outcome.reward
+        flags = {
+            "env_invalid": invalid,
+            "env_failure_kind": outcome.failure.kind.value if invalid else None,
+            "env_failure_reason": outcome.failure.reason if invalid else None,
+            "env_attempts": attempt,
+            "deadline_hit": outcome.deadline_hit,
+            "reward_source": None if invalid else outcome.reward_source,
+            "env_failed_attempt_kinds": failed_kinds,
+            "env_episode_wall_s": round(time.monotonic() - started, 4),
+            "env_refused_navigations": outcome.refused_navigations,
+        }
+        output.extra_fields.update(flags)
+        output.extra_fields["reward_extra_info"] = reward_extra_info(flags)
+        if "global_steps" in kwargs:  # the V1 trainer needs them even when the model was never called
+            for key in ("min_global_steps", "max_global_steps"):
+                if output.extra_fields.get(key) is None:
+                    output.extra_fields[key] = kwargs["global_steps"]
+        output.metrics = AgentLoopMetrics(
+            generate_sequences=timings["generate_sequences"],
+            tool_calls=timings["tool_calls"],
+            num_preempted=output.metrics.num_preempted if outcome.output is not None else -1,
+        )
+        return output
+
+    async def _run_attempt(
+        self,
+        sampling_params: dict[str, Any],
+        kwargs: dict[str, Any],
+        spec: EpisodeSpec,
+        rollout_id: str,
+        attempt: int,
+    ) -> _AttemptOutcome:
+        client = shared_environment_client(self.settings.environment)
+        label = f"rollout {rollout_id} attempt {attempt}"
+        start_url = spec.initial_url if url_scheme(spec.initial_url or "") else None
+        episode: BrowserEpisode | None = None
+        output: AgentLoopOutput | None = None
+        outcome = _AttemptOutcome(output=None, failure=None)
+        try:
+            async with client.session(
+                rollout_id=rollout_id,
+                attempt=attempt,
+                task_id=spec.task_id,
+                initial_url=spec.initial_url,
+                verifier_metadata=spec.verifier_metadata,
+                taskset=spec.taskset,
+            ) as session:
+                episode = BrowserEpisode(
+                    session=session,
+                    guard=UrlGuard(self.settings.url_policy, start_url),
+                    deadline=time.monotonic() + self.settings.episode_deadline_s,
+                    call_bound_s=self.settings.environment.call_timeout_s + self.settings.call_timeout_grace_s,
+                    label=label,
+                )
+                token = _CURRENT_EPISODE.set(episode)
+                try:
+                    output = await ToolAgentLoop.run(self, sampling_params, **kwargs)
+                finally:
+                    _CURRENT_EPISODE.reset(token)
+                if episode.failure is None and spec.verifier_metadata:
+                    try:
+                        outcome.reward, outcome.reward_source = (await session.verify()).reward, "verify"
+                    except EnvironmentFailure as failure:
+                        episode.fail(failure)
+        except EnvironmentFailure as failure:  # raised while opening the session: nothing ran
+            logger.warning("%s: could not open a session (%s): %s", label, failure.kind.value, failure.reason)
+            outcome.failure = failure
+            return outcome
+        assert episode is not None
+        if episode.failure is None and not spec.verifier_metadata:
+            await self._score_with_judge(episode, spec, rollout_id, outcome)
+        outcome.output = output
+        outcome.failure = episode.failure
+        outcome.deadline_hit = episode.deadline_hit
+        outcome.refused_navigations = episode.refused_navigations
+        return outcome
+
+    async def _score_with_judge(
+        self, episode: BrowserEpisode, spec: EpisodeSpec, rollout_id: str, outcome: _AttemptOutcome
+    ) -> None:
+        """Judge after the session is closed (the judge reads the recorded page, not the browser)."""
+        assert self._judge is not None
+        page_url, page_title, page_text = parse_observation(episode.last_observation)
+        verdict = await self._judge.judge(
+            JudgeEvidence(
+                task=spec.question or spec.task_id,
+                final_answer=episode.final_answer,
+                page_url=page_url,
+                page_title=page_title,
+                page_text=page_text,
+                last_steps=tuple(episode.steps),
+                reference_answer=spec.reference_answer,
+                rollout_id=rollout_id,
+            )
+        )
+        if not verdict.usable:
+            episode.fail(
+                EnvironmentFailure(FailureKind.JUDGE_UNUSABLE, f"the judge gave no usable verdict: {verdict.reason}")
+            )
+            return
+        outcome.reward, outcome.reward_source = (1.0 if verdict.success else 0.0), "judge"
+
+    async def _placeholder_output(self, kwargs: Mapping[str, Any]) -> AgentLoopOutput:
+        """An output for a rollout whose every attempt failed before the model was called."""
+        schemas = self.tool_schemas
+        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]), tools=schemas)
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=[],
+            response_mask=[],
+            num_turns=1,
+            metrics=AgentLoopMetrics(),
+            extra_fields={"turn_scores": [], "tool_rewards": []},
+        )
+
+    # --- verl's state machine, bounded by the episode ----------------------------------------------------------
+
+    async def _handle_pending_state(self, agent_data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
+        setattr(agent_data, EPISODE_ATTRIBUTE, _CURRENT_EPISODE.get())
+        return await super()._handle_pending_state(agent_data, sampling_params)
+
+    async def _handle_generating_state(
+        self, agent_data: AgentData, sampling_params: dict[str, Any], ignore_termination: bool = False
+    ) -> AgentState:
+        episode = episode_of(agent_data)
+        if episode is None:
+            return await super()._handle_generating_state(agent_data, sampling_params, ignore_termination)
+        if episode.over:
+            return AgentState.TERMINATED
+        remaining = episode.remaining()
+        if remaining <= 0:
+            episode.hit_deadline("generation")
+            return AgentState.TERMINATED
+        try:
+            return await asyncio.wait_for(
+                super()._handle_generating_state(agent_data, sampling_params, ignore_termination), remaining
+            )
+        except asyncio.TimeoutError:
+            episode.hit_deadline("generation")
+            return AgentState.TERMINATED
+
+    async def _handle_processing_tools_state(self, agent_data: AgentData) -> AgentState:
+        # verl rebinds (never mutates) these lists when it merges the tool turn, so references are a snapshot.
+        before = (agent_data.prompt_ids, agent_data.response_mask, agent_data.response_logprobs)
+        state = await super()._handle_processing_tools_state(agent_data)
+        episode = episode_of(agent_data)
+        if episode is not None and episode.over:
+            # No generation follows: drop the last tool turn so the response ends on the model's own last token
+            # (where verl puts the reward) instead of on a tool message and a dangling generation prompt.
+            agent_data.prompt_ids, agent_data.response_mask, agent_data.response_logprobs = before
+            return AgentState.TERMINATED
+        return state
+
+
+def _ensure_response_token(output: AgentLoopOutput, tokenizer: Any) -> None:
+    """Give an output with no response one masked padding token.
+
+    verl places the reward on the last response token (``rm_scores[-1]`` in the V1 path), so an empty response
+    cannot carry one. Only a rollout cut before its first generation completed has no token; the token is masked,
+    so it adds nothing to the loss, and the sample keeps its (valid or invalid) status.
+    """
+    if len(output.response_mask) == 0:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # verl's finalisation takes prompt_ids[-0:] (the whole prompt) as the response when the mask is empty.
+        output.response_ids = [int(pad)]
+        output.response_mask = [0]
+        if output.response_logprobs is not None:
+            output.response_logprobs = [0.0]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+    """Log a configuration problem once per process (a loop object is built for every sample)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.log(level, message, *args)
+
+
+def _warn_legacy_drop() -> None:
+    _warn_once(
+        "legacy-drop",
+        "The drop switch (%s=1 or drop_invalid: true) has no effect under the legacy trainer "
+        "(trainer.use_v1=false): it needs exactly one sample per prompt, so invalid rollouts are kept, flagged "
+        "env_invalid, loss-masked and excluded from the GRPO baseline by grpo_env_aware. Use the V1 trainer to "
+        "drop them.",
+        DROP_INVALID_ENV,
+        level=logging.ERROR,
+    )

@@ -1,0 +1,122 @@
+"""Per-step ``env/*`` training metrics from the per-sample flags the browser agent loop writes.
+
+What this module owns
+    The reduction of a batch's per-sample ``extra_fields`` flags (see ``browser_agent_loop``) to scalar
+    metrics: the invalid rate, every failure kind (of failed attempts, and of samples still invalid at the end),
+    attempts, resampled and recovered rates, deadline hits, the verify/judge split of rewards, refused
+    navigations and the episode wall time. Pure Python over mappings and numpy columns: no torch, no verl.
+
+Where the numbers reach verl
+    * Every sample's ``extra_fields`` become one ``non_tensor_batch`` column per key in the legacy trainer and
+      one ``extra_fields`` record per sample in the V1 trainer's TransferQueue; :func:`metrics_from_columns`
+      and :func:`episode_metrics` read either shape.
+    * The loop also copies the numeric flags into ``extra_fields["reward_extra_info"]`` under ``env/...`` keys,
+      which verl 0.9.1 itself aggregates into the per-step *validation* metrics (``val-aux/<data source>/env/
+      invalid/mean@N``, ...) in both trainers.
+    * verl 0.9.1 has no hook that turns a custom per-sample field into a *training* metric; the recipe's trainer
+      wiring (``patches.py``) adds :func:`metrics_from_columns` to the step's metrics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# The keys the loop writes into every sample's extra_fields (the first six are the project-wide contract).
+FLAG_KEYS = (
+    "env_invalid",
+    "env_failure_kind",
+    "env_failure_reason",
+    "env_attempts",
+    "deadline_hit",
+    "reward_source",
+    "env_failed_attempt_kinds",
+    "env_episode_wall_s",
+    "env_refused_navigations",
+)
+FAILURE_KINDS = (
+    "seed_failed",
+    "session_lost",
+    "unreachable",
+    "server_error",
+    "timeout",
+    "verify_unavailable",
+    "judge_unusable",
+)
+# reward_extra_info keys (numeric: verl's validation metrics average them).
+REWARD_EXTRA_KEYS = (
+    "env/invalid",
+    "env/attempts",
+    "env/deadline_hit",
+    "env/reward_from_verify",
+    "env/reward_from_judge",
+    "env/episode_wall_s",
+)
+
+
+def reward_extra_info(flags: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric copy of one sample's flags that verl's validation metrics average."""
+    return {
+        "env/invalid": float(bool(flags["env_invalid"])),
+        "env/attempts": float(flags["env_attempts"]),
+        "env/deadline_hit": float(bool(flags["deadline_hit"])),
+        "env/reward_from_verify": float(flags["reward_source"] == "verify"),
+        "env/reward_from_judge": float(flags["reward_source"] == "judge"),
+        "env/episode_wall_s": float(flags["env_episode_wall_s"]),
+    }
+
+
+def episode_metrics(rows: Iterable[Mapping[str, Any] | None]) -> dict[str, float]:
+    """Step metrics over the samples' flag dicts; samples without flags (other agent loops) are skipped.
+
+    Returns ``{}`` when no sample carries flags, so a batch of another recipe adds nothing.
+    """
+    flagged = [row for row in rows if isinstance(row, Mapping) and "env_invalid" in row]
+    if not flagged:
+        return {}
+    n = len(flagged)
+    invalid = [bool(row["env_invalid"]) for row in flagged]
+    attempts = [int(row.get("env_attempts") or 1) for row in flagged]
+    resampled = [a > 1 for a in attempts]
+    wall = [float(row.get("env_episode_wall_s") or 0.0) for row in flagged]
+    failed_attempts: Counter[str] = Counter()
+    final_kinds: Counter[str] = Counter()
+    for row, is_invalid in zip(flagged, invalid, strict=True):
+        failed_attempts.update(str(kind) for kind in (row.get("env_failed_attempt_kinds") or ()))
+        if is_invalid and row.get("env_failure_kind"):
+            final_kinds[str(row["env_failure_kind"])] += 1
+    metrics = {
+        "env/samples": float(n),
+        "env/invalid_rate": sum(invalid) / n,
+        "env/invalid_count": float(sum(invalid)),
+        "env/resampled_rate": sum(resampled) / n,
+        "env/recovered_rate": sum(r and not i for r, i in zip(resampled, invalid, strict=True)) / n,
+        "env/attempts/mean": sum(attempts) / n,
+        "env/attempts/max": float(max(attempts)),
+        "env/deadline_hit_rate": sum(bool(row.get("deadline_hit")) for row in flagged) / n,
+        "env/reward_source/verify": sum(row.get("reward_source") == "verify" for row in flagged) / n,
+        "env/reward_source/judge": sum(row.get("reward_source") == "judge" for row in flagged) / n,
+        "env/refused_navigations/mean": sum(int(row.get("env_refused_navigations") or 0) for row in flagged) / n,
+        "env/episode_wall_s/mean": sum(wall) / n,
+        "env/episode_wall_s/max": max(wall),
+    }
+    for kind in FAILURE_KINDS:
+        metrics[f"env/failed_attempts/{kind}"] = float(failed_attempts.get(kind, 0))
+        metrics[f"env/invalid/{kind}"] = float(final_kinds.get(kind, 0))
+    return metrics
+
+
+def metrics_from_columns(columns: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+    """:func:`episode_metrics` over column-shaped flags (a legacy ``DataProto.non_tensor_batch``)."""
+    if "env_invalid" not in columns:
+        return {}
+    keys = [key for key in FLAG_KEYS if key in columns]
+    size = len(columns["env_invalid"])
+    rows = []
+    for index in range(size):
+        if columns["env_invalid"][index] is None:
+            rows.append(None)
+            continue
+        rows.append({key: columns[key][index] for key in keys})
+    return episode_metrics(rows)

@@ -1,0 +1,258 @@
+"""The recipe's YAML configs, the loop's settings, the tool interface and the tool-call parser, against verl 0.9.1."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+
+import pytest
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.experimental.agent_loop.tool_parser import HermesToolParser
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+from nemo_gym_browser.browser_agent_loop import (
+    AGENT_LOOP_NAME,
+    BrowserTool,
+    BrowserToolAgentLoop,
+    EpisodeSpec,
+    LenientHermesToolParser,
+    default_tool_schema,
+    parse_tool_call,
+    running_under_v1_trainer,
+)
+from nemo_gym_browser.testing import scripted_policy as sp
+from nemo_gym_browser.testing.agent_loop_harness import (
+    AGENT_LOOP_YAML,
+    build_loop,
+    compose_trainer_config,
+    load_tools,
+    make_row,
+)
+from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+
+URLS = {"server_urls": ["http://127.0.0.1:1"]}  # never contacted: these tests only build loops
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_test_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tools():
+    return load_tools()
+
+
+@functools.lru_cache(maxsize=1)
+def base_config():
+    return compose_trainer_config()
+
+
+def make_loop(tokenizer, tools, trainer_config=None, **settings):
+    settings.setdefault("environment", URLS)
+    trainer_config = trainer_config if trainer_config is not None else base_config()
+    return build_loop(
+        sp.ScriptedPolicy(tokenizer, sp.say("")),
+        tokenizer=tokenizer,
+        tools=tools,
+        trainer_config=trainer_config,
+        **settings,
+    )
+
+
+# ----- configs ------------------------------------------------------------------------------------------------
+
+
+def test_the_agent_loop_yaml_registers_the_browser_loop_under_its_contract_name():
+    entries = OmegaConf.load(AGENT_LOOP_YAML)
+
+    assert OmegaConf.is_list(entries)  # verl's agent_loop_config_path takes a YAML list
+    (entry,) = [e for e in entries if e.name == AGENT_LOOP_NAME]
+    assert get_class(entry._target_) is BrowserToolAgentLoop
+
+
+def test_the_tool_configs_load_through_verl_as_one_browser_tool_or_nemo_gyms_five_tools():
+    single = load_tools()
+    native = load_tools(native=True)
+
+    assert [t.name for t in single] == ["browser"]
+    assert [t.name for t in native] == [
+        "browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish"
+    ]  # fmt: skip
+    for tool in [*single, *native]:
+        assert isinstance(tool, BrowserTool)
+        # The YAML and the code describe the same interface.
+        assert tool.tool_schema == default_tool_schema(tool.name)
+
+
+def test_a_browser_tool_with_a_foreign_name_is_a_config_error():
+    with pytest.raises(ValueError, match="cannot be named 'search'"):
+        BrowserTool({"type": "native", "name": "search"})
+
+
+async def test_the_browser_tool_outside_its_loop_says_which_agent_loop_it_needs():
+    tool = BrowserTool({"type": "native"})
+    instance, _ = await tool.create(create_kwargs={})
+
+    with pytest.raises(RuntimeError, match=AGENT_LOOP_NAME):
+        await tool.execute(instance, {"action": "observe"}, agent_data=object())
+
+
+# ----- settings -----------------------------------------------------------------------------------------------
+
+
+def test_the_trainer_config_section_overrides_the_yaml_settings_key_by_key(tokenizer, tools):
+    config = compose_trainer_config(
+        overrides=[
+            "+nemo_gym_browser.episode_deadline_s=42",
+            "+nemo_gym_browser.environment.call_timeout_s=7",
+            "+nemo_gym_browser.environment.server_urls='http://127.0.0.1:2,http://127.0.0.1:3'",
+            "+nemo_gym_browser.url_policy.allowlist=['*.corp.example']",
+        ]
+    )
+
+    loop = make_loop(tokenizer, tools, config)
+
+    settings = loop.settings
+    assert settings.episode_deadline_s == 42
+    assert settings.environment.call_timeout_s == 7
+    assert settings.environment.server_urls == ("http://127.0.0.1:2", "http://127.0.0.1:3")
+    assert settings.environment.seed_timeout_s == 120  # from configs/agent_loop.yaml, untouched
+    assert settings.max_attempts == 3 and settings.url_policy.allowlist == ("*.corp.example",)
+
+
+def test_the_agent_loop_yaml_raises_verls_256_character_observation_cut(tokenizer, tools):
+    loop = make_loop(tokenizer, tools)
+
+    assert compose_trainer_config().actor_rollout_ref.rollout.multi_turn.max_tool_response_length == 256
+    assert loop.max_tool_response_length == 8192
+
+
+def test_keeping_verls_observation_cut_is_warned_about(tokenizer, tools, caplog, monkeypatch):
+    monkeypatch.setattr("nemo_gym_browser.browser_agent_loop._warned", set())
+
+    with caplog.at_level(logging.WARNING, logger="nemo_gym_browser.browser_agent_loop"):
+        loop = make_loop(tokenizer, tools, max_tool_response_length=None)
+
+    assert loop.max_tool_response_length == 256
+    assert any("max_tool_response_length=256" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"episode_deadline": 5}, "unknown nemo_gym_browser agent-loop settings"),
+        ({"environment": {"server_urls": None}}, "no environment server"),
+        ({"environment": {**URLS, "call_timeout": 3}}, "unknown environment config keys"),
+        ({"url_policy": {"allow_private": True}}, "unknown url_policy keys"),
+        ({"max_attempts": 0}, "max_attempts must be at least 1"),
+        ({"judge": {"base_url": "http://127.0.0.1:1/v1"}}, "missing"),
+    ],
+)
+def test_a_wrong_setting_raises_when_the_loop_is_built(tokenizer, tools, settings, message):
+    with pytest.raises(Exception, match=message):
+        make_loop(tokenizer, tools, **settings)
+
+
+def test_a_loop_without_browser_tools_refuses_to_start(tokenizer):
+    with pytest.raises(Exception, match="found no BrowserTool"):  # hydra wraps it in InstantiationException
+        make_loop(tokenizer, [])
+
+
+def test_the_judge_setting_accepts_the_recipes_judge_yaml_by_relative_path(tokenizer, tools):
+    loop = make_loop(tokenizer, tools, judge="configs/judge.yaml")
+
+    assert loop.settings.judge is not None and loop.settings.judge.base_url.startswith("http")
+
+
+# ----- which trainer is calling -------------------------------------------------------------------------------
+
+
+def test_only_the_v1_worker_passes_session_id_to_agent_loops():
+    # The trainer detection rests on this difference in verl 0.9.1's two workers.
+    assert "session_id=i" in inspect.getsource(AgentLoopWorkerTQ._run_prompt)
+    assert "session_id" not in inspect.getsource(AgentLoopWorker.generate_sequences)
+    assert "session_id" not in inspect.getsource(AgentLoopWorker._run_agent_loop)
+
+    assert running_under_v1_trainer({"uid": "u", "session_id": 0, "global_steps": 3, "raw_prompt": []})
+    assert not running_under_v1_trainer({"uid": "u", "index": 0, "raw_prompt": [], "tools_kwargs": {}})
+
+
+# ----- the row and the tool calls -----------------------------------------------------------------------------
+
+
+def test_the_episode_is_read_from_any_browser_tools_create_kwargs():
+    row = make_row(task="t", task_id="abc", initial_url="https://example.org/", verifier_metadata={"final_url": "x"})
+    natives_only = {name: kw for name, kw in row["tools_kwargs"].items() if name != "browser"}
+
+    spec = EpisodeSpec.from_tools_kwargs(natives_only)
+
+    assert (spec.task_id, spec.initial_url, spec.verifier_metadata, spec.question) == (
+        "abc", "https://example.org/", {"final_url": "x"}, "t"
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"nemo_gym_browser\.dataset"):
+        EpisodeSpec.from_tools_kwargs({"browser": {"create_kwargs": {}}})
+
+
+@pytest.mark.parametrize(
+    ("tool", "arguments", "expected"),
+    [
+        ("browser", {"action": "observe"}, ("browser_observe", {})),
+        ("browser", {"action": " Click ", "element_id": "3"}, ("browser_click", {"element_id": 3})),
+        (
+            "browser",
+            {"action": "type", "element_id": 2.0, "text": "hi"},
+            ("browser_type", {"element_id": 2, "text": "hi"}),
+        ),
+        ("browser", json.dumps({"action": "finish", "answer": 42}), ("browser_finish", {"answer": "42"})),
+        (
+            "browser",
+            {"action": "navigate", "url": " https://a.example/ "},
+            ("browser_navigate", {"url": "https://a.example/"}),
+        ),
+        ("browser_click", {"elementId": 1}, ("browser_click", {"elementId": 1})),  # natives go verbatim
+        ("browser", {"action": "click", "element_id": True}, "click needs an element_id"),
+        ("browser", {"action": "click", "element_id": -1}, "click needs an element_id"),
+        ("browser", {"action": "type", "element_id": 1}, "type needs a text"),
+        ("browser", {"action": "navigate"}, "navigate needs a url"),
+        ("browser", {"action": "finish"}, "finish needs an answer"),
+        ("browser", {"url": "x"}, "unknown action None"),
+        ("browser", "not json", "must be a JSON object"),
+        ("browser", [1, 2], "must be a JSON object"),
+    ],
+)
+def test_tool_calls_become_environment_actions_or_policy_errors(tool, arguments, expected):
+    assert parse_tool_call(tool, arguments) == expected or expected in parse_tool_call(tool, arguments)
+
+
+async def test_the_lenient_parser_keeps_malformed_calls_so_verl_can_answer_them(tokenizer):
+    text = (
+        'I will look.<tool_call>\n{"name": "browser", "arguments": {"action": "observe"}}\n</tool_call>'
+        '<tool_call>\n{"name": "browser", "arguments": {action: click}}\n</tool_call>'
+        '<tool_call>\n{"name": "browser", "arguments": "{\\"action\\": \\"observe\\"}"}\n</tool_call>'
+        "<tool_call>\nno json at all\n</tool_call><|im_end|>"
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+
+    content, calls = await LenientHermesToolParser(tokenizer).extract_tool_calls(ids)
+    _, upstream_calls = await HermesToolParser(tokenizer).extract_tool_calls(ids)
+
+    assert content == "I will look.<|im_end|>"
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("browser", '{"action": "observe"}'),
+        ("browser", '{"name": "browser", "arguments": {action: click}}'),
+        ("browser", '{"action": "observe"}'),
+        ("", "no json at all"),
+    ]
+    assert len(upstream_calls) == 2  # upstream silently drops the two malformed blocks
+    assert upstream_calls[0] == calls[0]
+
+
+def test_the_loop_swaps_in_the_lenient_parser_only_for_hermes_and_when_enabled(tokenizer, tools):
+    assert isinstance(make_loop(tokenizer, tools).tool_parser, LenientHermesToolParser)
+    strict = make_loop(tokenizer, tools, lenient_tool_call_parsing=False).tool_parser
+    assert type(strict) is HermesToolParser

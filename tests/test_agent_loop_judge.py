@@ -1,0 +1,149 @@
+"""Tasks without verifier_metadata are scored by the judge: success 1.0, failure 0.0, unusable is infrastructure."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_gym_browser.browser_agent_loop import close_shared_clients
+from nemo_gym_browser.judge import BinaryJudge, JudgeConfig
+from nemo_gym_browser.testing import fake_judge as fj
+from nemo_gym_browser.testing import scripted_policy as sp
+from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+
+SAMPLING = {"temperature": 1.0}
+OPEN_ENDED = make_row(
+    task="What is the secret code on the About page?", verifier_metadata=None, reference_answer="ALPHA-42"
+)
+WALK = sp.walk_and_finish("About", "The code is ALPHA-42")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_test_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def trainer_config():
+    return compose_trainer_config()
+
+
+@pytest.fixture(scope="module")
+def tools():
+    return load_tools()
+
+
+@pytest.fixture
+async def env():
+    async with FakeEnvironmentServer() as fake:
+        yield fake
+    await close_shared_clients()
+
+
+@pytest.fixture
+async def judge_server():
+    async with fj.FakeJudgeServer() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def rollout(env, judge_server, tokenizer, tools, trainer_config):
+    judges = []
+
+    async def run(script=WALK, *, row=OPEN_ENDED, judge=None, **settings):
+        judge = {
+            "base_url": judge_server.base_url,
+            "model": "fake-judge",
+            "max_attempts": 1,
+            "backoff_s": 0,
+            **(judge or {}),
+        }
+        judges.append(BinaryJudge.shared(JudgeConfig.from_mapping(judge)))
+        loop = build_loop(
+            sp.ScriptedPolicy(tokenizer, script),
+            tokenizer=tokenizer,
+            tools=tools,
+            trainer_config=trainer_config,
+            environment={"server_urls": [env.url]},
+            judge=judge,
+            resample_backoff_s=0,
+            **settings,
+        )
+        return await loop.run(SAMPLING, **row)
+
+    yield run
+    for judge in judges:
+        await judge.close()
+
+
+async def test_a_judge_success_scores_one_and_the_judge_saw_the_answer_and_the_graded_page(rollout, env, judge_server):
+    judge_server.script(fj.verdict(True))
+
+    output = await rollout()
+
+    assert output.reward_score == 1.0
+    assert output.extra_fields["reward_source"] == "judge" and output.extra_fields["env_invalid"] is False
+    (request,) = judge_server.chat_requests
+    assert request.data_block("final_answer") == "The code is ALPHA-42"
+    assert "Secret code: ALPHA-42" in request.data_block("page_text")
+    assert request.data_block("page_url").endswith("site/about.html")
+    assert request.data_block("reference_answer") == "ALPHA-42"
+    assert "click" in request.data_block("steps")
+    # No /verify for an open-ended task; the session was released by its close.
+    assert env.events(env.session_ids[0]) == ["seed", "observe", "click", "finish", "close"]
+    assert env.open_sessions == 0
+
+
+async def test_a_judge_failure_is_a_valid_zero(rollout, judge_server):
+    judge_server.script(fj.verdict(False))
+
+    output = await rollout()
+
+    assert output.reward_score == 0.0
+    assert output.extra_fields["reward_source"] == "judge" and output.extra_fields["env_invalid"] is False
+
+
+async def test_an_unusable_verdict_is_an_infrastructure_failure_that_is_resampled(rollout, env, judge_server):
+    judge_server.script(fj.hedge(), fj.verdict(True))
+
+    output = await rollout(max_attempts=2)
+
+    assert output.reward_score == 1.0 and output.extra_fields["env_attempts"] == 2
+    assert output.extra_fields["env_failed_attempt_kinds"] == ["judge_unusable"]
+    assert len(env.session_ids) == 2 and env.open_sessions == 0
+
+
+async def test_a_judge_that_never_gives_a_usable_verdict_leaves_the_sample_invalid_not_zero(rollout, judge_server):
+    judge_server.script(fj.http_error(500), fj.both_tokens())
+
+    output = await rollout(max_attempts=2)
+
+    assert output.extra_fields["env_invalid"] is True
+    assert output.extra_fields["env_failure_kind"] == "judge_unusable"
+    assert output.extra_fields["reward_source"] is None
+    assert set(output.response_mask) == {0}
+
+
+async def test_a_task_with_verifier_metadata_is_verified_even_when_a_judge_is_configured(rollout, env, judge_server):
+    output = await rollout(row=make_row(task="Open About", verifier_metadata={"url_contains": "about.html"}))
+
+    assert output.extra_fields["reward_source"] == "verify" and output.reward_score == 1.0
+    assert judge_server.chat_requests == []
+
+
+async def test_an_open_ended_task_without_a_configured_judge_fails_loudly_before_opening_a_session(
+    env, tokenizer, tools, trainer_config
+):
+    loop = build_loop(
+        sp.ScriptedPolicy(tokenizer, WALK),
+        tokenizer=tokenizer,
+        tools=tools,
+        trainer_config=trainer_config,
+        environment={"server_urls": [env.url]},
+    )
+
+    with pytest.raises(ValueError, match="no verifier_metadata, so it needs the judge"):
+        await loop.run(SAMPLING, **OPEN_ENDED)
+
+    assert env.calls() == 0

@@ -1,0 +1,397 @@
+"""Which URLs the policy may open: public http(s) pages, its task's start page, and what the operator allowed.
+
+What this module owns
+    The decision, before a ``navigate`` reaches the browser, whether the URL the *policy* wrote may be opened.
+    Refused by default, with a reason the model reads (a policy error, never an infrastructure failure):
+
+    * schemes other than ``http``/``https`` (``file:``, ``chrome:``, ``javascript:``, ``data:``, ``about:``,
+      ``view-source:``, ...), except ``file:`` pages under the directory of a ``file:`` start page;
+    * hosts that are, or resolve to, addresses that are not globally routable: loopback, link-local (cloud
+      metadata at 169.254.169.254), private (RFC 1918, unique-local IPv6), carrier-grade NAT, unspecified,
+      multicast, reserved; ``localhost`` and ``*.localhost`` by name.
+
+    Honoured: the origin of the task's start URL (a local test site may live on 127.0.0.1) and an explicit
+    allow-list from config (host names, ``*.suffix`` wildcards, ``host:port``, ``scheme://host[:port]``, CIDR
+    networks).
+
+How a host is read
+    The way Chromium reads it (WHATWG URL standard), not the way :mod:`urllib` does, because the browser is the
+    one that connects: tabs and newlines are dropped, ``\\`` counts as ``/``, userinfo before the last ``@`` is
+    ignored, the host is percent-decoded and case/width-folded, and a host whose last label is numeric is an IPv4
+    address in any of its spellings (``2130706433``, ``0x7f.1``, ``0177.0.0.1``, ``127.1``). IPv6 literals are
+    checked through the IPv4 address they embed (IPv4-mapped, 6to4, Teredo, NAT64 ``64:ff9b::/96``).
+
+Limits (say them out loud)
+    Names are resolved here, on the trainer's node, while the browser resolves them again on the environment's
+    node. A name whose DNS answer changes between the two lookups (DNS rebinding) or that resolves differently
+    on the two nodes can still reach a private address; so can a redirect or a link the policy clicks on a public
+    page. This check keeps an honest policy from wandering into the cluster; the hard boundary belongs to the
+    environment hosts' network egress rules (deny private ranges and the metadata address).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import posixpath
+import re
+import socket
+import unicodedata
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import unquote, unquote_to_bytes
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+WEB_SCHEMES = frozenset({"http", "https"})
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# Addresses that embed an IPv4 address the browser would actually reach.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Characters IDNA maps to a full stop (ideographic, fullwidth, halfwidth).
+_DOT_LIKE = str.maketrans({"\u3002": ".", "\uff0e": ".", "\uff61": "."})
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
+_C0_OR_SPACE = "".join(chr(c) for c in range(0x21))
+
+
+class UrlRefused(ValueError):
+    """The URL may not be opened; ``str(exc)`` is the reason, written for the model to read."""
+
+
+@dataclass(frozen=True)
+class UrlPolicy:
+    """What the operator allows beyond public web pages. From the agent loop's ``url_policy`` config block."""
+
+    allow_private_networks: bool = False  # true: only the scheme rule applies (a fully trusted, isolated setup)
+    allowlist: tuple[str, ...] = ()
+    resolve_hostnames: bool = True  # false: names are not resolved here (only literal addresses are checked)
+    dns_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        entries = (self.allowlist,) if isinstance(self.allowlist, str) else tuple(self.allowlist)
+        object.__setattr__(self, "allowlist", entries)
+        if self.dns_timeout_s <= 0:
+            raise ValueError("url_policy.dns_timeout_s must be positive")
+        for entry in entries:
+            _AllowRule.parse(entry)  # a typo in the allow-list raises at start-up, not at the first navigation
+
+
+@dataclass(frozen=True)
+class WebUrl:
+    """The parts of an http(s) URL that decide where the browser connects."""
+
+    scheme: str
+    host: str  # normalised: lower case, percent-decoded; an IP literal in canonical form (IPv6 in brackets)
+    port: int
+    address: IPAddress | None  # set when the host is an IP literal in any spelling
+
+    @property
+    def origin(self) -> tuple[str, str, int]:
+        return (self.scheme, self.host, self.port)
+
+
+# ----- parsing ------------------------------------------------------------------------------------------------
+
+
+def _clean(url: str) -> str:
+    # WHATWG: strip leading/trailing C0 controls and spaces, drop every tab and newline.
+    return url.strip(_C0_OR_SPACE).replace("\t", "").replace("\n", "").replace("\r", "")
+
+
+def url_scheme(url: str) -> str | None:
+    match = _SCHEME.match(_clean(url))
+    return match.group(1).lower() if match else None
+
+
+def _ipv4_number(part: str) -> int | None:
+    radix = 10
+    if len(part) >= 2 and part[:2] in ("0x", "0X"):
+        part, radix = part[2:], 16
+    elif len(part) >= 2 and part[0] == "0":
+        part, radix = part[1:], 8
+    if part == "":
+        return 0
+    digits = {10: "0123456789", 16: "0123456789abcdefABCDEF", 8: "01234567"}[radix]
+    if any(ch not in digits for ch in part):
+        return None
+    return int(part, radix)
+
+
+def _whatwg_ipv4(host: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a host denotes, ``None`` when it is a domain name; raises for a malformed numeric host."""
+    parts = host.split(".")
+    if len(parts) > 1 and parts[-1] == "":
+        parts.pop()
+    last = parts[-1]
+    ends_in_number = last != "" and (last.isdigit() or re.fullmatch(r"0[xX][0-9A-Fa-f]*", last) is not None)
+    if not ends_in_number:
+        return None
+    if len(parts) > 4:
+        raise UrlRefused(f"{host!r} is not a valid IPv4 address")
+    numbers = [_ipv4_number(part) if part else None for part in parts]
+    if any(n is None for n in numbers):
+        raise UrlRefused(f"{host!r} is not a valid IPv4 address")
+    values = [n for n in numbers if n is not None]
+    if any(n > 255 for n in values[:-1]) or values[-1] >= 256 ** (5 - len(values)):
+        raise UrlRefused(f"{host!r} is not a valid IPv4 address")
+    address = values[-1]
+    for index, n in enumerate(values[:-1]):
+        address += n * 256 ** (3 - index)
+    return ipaddress.IPv4Address(address)
+
+
+def _normalise_host(raw: str) -> tuple[str, IPAddress | None]:
+    if raw.startswith("["):
+        if not raw.endswith("]") or "%" in raw:
+            raise UrlRefused(f"{raw!r} is not a valid IPv6 address")
+        try:
+            address = ipaddress.IPv6Address(raw[1:-1])
+        except ValueError as exc:
+            raise UrlRefused(f"{raw!r} is not a valid IPv6 address") from exc
+        return f"[{address.compressed}]", address
+    host = unquote_to_bytes(raw).decode("utf-8", errors="replace")
+    host = unicodedata.normalize("NFKC", host).translate(_DOT_LIKE).lower()
+    if not host or any(ch in host for ch in " /\\?#@[]<>^|%"):
+        raise UrlRefused(f"{raw!r} is not a valid host name")
+    address = _whatwg_ipv4(host)
+    if address is not None:
+        return str(address), address
+    return host, None
+
+
+def parse_web_url(url: str) -> WebUrl:
+    """Read an http(s) URL's scheme, host and port the way a browser would; raise :class:`UrlRefused` otherwise."""
+    cleaned = _clean(url)
+    if not cleaned:
+        raise UrlRefused("the URL is empty")
+    scheme = url_scheme(cleaned)
+    if scheme is None:
+        raise UrlRefused(f"{_short(url)} is not an absolute URL; write it with http:// or https://")
+    if scheme not in WEB_SCHEMES:
+        raise UrlRefused(f"the {scheme}: scheme is not allowed; only http and https pages may be opened")
+    rest = cleaned[len(scheme) + 1 :].replace("\\", "/").lstrip("/")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    hostport = authority.rsplit("@", 1)[-1]
+    if hostport.startswith("["):
+        close = hostport.find("]")
+        if close < 0:
+            raise UrlRefused(f"{_short(url)} has an unterminated IPv6 address")
+        raw_host, port_part = hostport[: close + 1], hostport[close + 1 :]
+        if port_part and not port_part.startswith(":"):
+            raise UrlRefused(f"{_short(url)} has a malformed host")
+        port_text = port_part[1:]
+    else:
+        raw_host, _, port_text = hostport.partition(":")
+    if not raw_host:
+        raise UrlRefused(f"{_short(url)} has no host")
+    if port_text and (not port_text.isdigit() or int(port_text) > 65535):
+        raise UrlRefused(f"{_short(url)} has an invalid port")
+    host, address = _normalise_host(raw_host)
+    port = int(port_text) if port_text else DEFAULT_PORTS[scheme]
+    return WebUrl(scheme=scheme, host=host, port=port, address=address)
+
+
+def _short(url: str, limit: int = 120) -> str:
+    text = repr(url)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
+# ----- addresses ----------------------------------------------------------------------------------------------
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    embedded = []
+    if address.ipv4_mapped is not None:
+        embedded.append(address.ipv4_mapped)
+    if address.sixtofour is not None:
+        embedded.append(address.sixtofour)
+    if address.teredo is not None:
+        embedded.extend(address.teredo)
+    if address in _NAT64:
+        embedded.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    return embedded
+
+
+def is_public_address(address: IPAddress) -> bool:
+    """Globally routable unicast, for the address itself and any IPv4 address it carries."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = _embedded_ipv4(address)
+        if embedded:
+            return all(is_public_address(v4) for v4 in embedded)
+    return address.is_global and not address.is_multicast and not address.is_reserved
+
+
+def _describe(address: IPAddress) -> str:
+    probe = address
+    if isinstance(address, ipaddress.IPv6Address) and _embedded_ipv4(address):
+        probe = _embedded_ipv4(address)[0]
+    for attribute, words in (
+        ("is_loopback", "a loopback"),
+        ("is_link_local", "a link-local (cloud metadata)"),
+        ("is_unspecified", "an unspecified"),
+        ("is_multicast", "a multicast"),
+        ("is_private", "a private-network"),
+    ):
+        if getattr(probe, attribute):
+            return words
+    return "a non-public"
+
+
+# ----- the allow-list -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _AllowRule:
+    scheme: str | None = None
+    host: str | None = None
+    wildcard: bool = False
+    port: int | None = None
+    network: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
+
+    @classmethod
+    def parse(cls, entry: str) -> _AllowRule:
+        text = str(entry).strip()
+        if not text:
+            raise ValueError("an empty url_policy.allowlist entry")
+        if "/" in text and "://" not in text:
+            try:
+                return cls(network=ipaddress.ip_network(text, strict=False))
+            except ValueError as exc:
+                raise ValueError(f"url_policy.allowlist entry {entry!r} is neither a host nor a CIDR network") from exc
+        scheme = None
+        if "://" in text:
+            scheme, _, text = text.partition("://")
+            scheme = scheme.lower()
+            if scheme not in WEB_SCHEMES:
+                raise ValueError(f"url_policy.allowlist entry {entry!r}: only http/https origins can be allowed")
+            text = text.rstrip("/")
+        wildcard = text.startswith("*.")
+        if wildcard:
+            text = text[2:]
+        if text.startswith("["):
+            close = text.find("]")
+            host_text, port_text = text[: close + 1], text[close + 2 :] if close + 1 < len(text) else ""
+        else:
+            host_text, _, port_text = text.partition(":")
+        try:
+            host, _ = _normalise_host(host_text)
+        except UrlRefused as exc:
+            raise ValueError(f"url_policy.allowlist entry {entry!r}: {exc}") from exc
+        if port_text and not port_text.isdigit():
+            raise ValueError(f"url_policy.allowlist entry {entry!r} has an invalid port")
+        port = int(port_text) if port_text else (DEFAULT_PORTS[scheme] if scheme else None)
+        return cls(scheme=scheme, host=host, wildcard=wildcard, port=port)
+
+    def matches(self, url: WebUrl) -> bool:
+        if self.network is not None:
+            return url.address is not None and url.address in self.network
+        if self.scheme is not None and self.scheme != url.scheme:
+            return False
+        if self.port is not None and self.port != url.port:
+            return False
+        if self.wildcard:
+            return url.host == self.host or url.host.endswith("." + (self.host or ""))
+        return url.host == self.host
+
+    def covers_address(self, address: IPAddress) -> bool:
+        return self.network is not None and address in self.network
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """Every address the system resolver gives for ``host`` (no timeout here; the caller bounds it)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [info[4][0] for info in infos]
+
+
+# ----- the guard ----------------------------------------------------------------------------------------------
+
+
+class UrlGuard:
+    """Decides one episode's navigations. Built per episode from the operator's policy and the task's start URL."""
+
+    def __init__(self, policy: UrlPolicy, start_url: str | None = None, *, resolver: Resolver | None = None) -> None:
+        self.policy = policy
+        self._rules = [_AllowRule.parse(entry) for entry in policy.allowlist]
+        self._resolver = resolver or system_resolver
+        self._start_origin: tuple[str, str, int] | None = None
+        self._start_dir: str | None = None
+        if start_url:
+            self.note_start_page(start_url)
+
+    def note_start_page(self, url: str) -> None:
+        """Honour ``url`` as the task's start page (its origin, or its directory for a ``file:`` page)."""
+        scheme = url_scheme(url)
+        if scheme in WEB_SCHEMES:
+            try:
+                self._start_origin = parse_web_url(url).origin
+            except UrlRefused:
+                pass
+        elif scheme == "file":
+            directory = _file_path(url)
+            if directory is not None:
+                self._start_dir = posixpath.dirname(directory)
+
+    @property
+    def knows_start_page(self) -> bool:
+        return self._start_origin is not None or self._start_dir is not None
+
+    async def check(self, url: str) -> None:
+        """Return when ``url`` may be opened; raise :class:`UrlRefused` with the reason otherwise."""
+        if not isinstance(url, str):
+            raise UrlRefused("the url must be a string")
+        scheme = url_scheme(url)
+        if scheme == "file":
+            path = _file_path(url)
+            if self._start_dir is not None and path is not None and _is_within(path, self._start_dir):
+                return
+            raise UrlRefused("the file: scheme is not allowed; only http and https pages may be opened")
+        target = parse_web_url(url)
+        if target.origin == self._start_origin or any(rule.matches(target) for rule in self._rules):
+            return
+        if self.policy.allow_private_networks:
+            return
+        if target.address is not None:
+            self._check_address(target.address, target.host)
+            return
+        if target.host == "localhost" or target.host.endswith(".localhost") or target.host.rstrip(".") == "localhost":
+            raise UrlRefused(f"{target.host} is a loopback name; only public addresses may be opened")
+        if self.policy.resolve_hostnames:
+            for address in await self._resolve(target.host, target.port):
+                self._check_address(address, target.host)
+
+    def _check_address(self, address: IPAddress, host: str) -> None:
+        if is_public_address(address) or any(rule.covers_address(address) for rule in self._rules):
+            return
+        shown = host if host.strip("[]") == str(address) else f"{host} ({address})"
+        raise UrlRefused(f"{shown} is {_describe(address)} address; only public addresses may be opened")
+
+    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
+        try:
+            answers = await asyncio.wait_for(self._resolver(host.rstrip("."), port), self.policy.dns_timeout_s)
+        except (OSError, UnicodeError, asyncio.TimeoutError) as exc:
+            raise UrlRefused(f"the host {host} could not be resolved") from exc
+        addresses: list[IPAddress] = []
+        for answer in answers:
+            try:
+                addresses.append(ipaddress.ip_address(answer.split("%", 1)[0]))
+            except ValueError:
+                continue
+        if not addresses:
+            raise UrlRefused(f"the host {host} could not be resolved")
+        return addresses
+
+
+def _file_path(url: str) -> str | None:
+    """The normalised local path of a ``file:`` URL with an empty or ``localhost`` host, else ``None``."""
+    rest = _clean(url)[len("file:") :].replace("\\", "/")
+    if rest.startswith("//"):
+        host, _, path = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            return None
+        rest = "/" + path
+    path = unquote(re.split(r"[?#]", rest, maxsplit=1)[0])
+    return posixpath.normpath(path) if path.startswith("/") else None
+
+
+def _is_within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")

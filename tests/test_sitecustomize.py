@@ -1,0 +1,184 @@
+"""Start-up installation in fresh interpreters: sitecustomize.py on PYTHONPATH, and the verl.plugins entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT_S = 300
+DIST_NAME = "verl-nemo-gym-browser"
+
+LAZY_INSTALL_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    heavy_at_start = sorted(m for m in ("torch", "verl", "numpy", "pandas", "ray") if m in sys.modules)
+    import sitecustomize
+    hook = any(getattr(f, "nemo_gym_browser_post_import_hook", False) for f in sys.meta_path)
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+    from verl.trainer.ppo.v1 import trainer_base
+    patches = sys.modules["nemo_gym_browser.patches"]
+    print(json.dumps({
+        "heavy_at_start": heavy_at_start,
+        "sitecustomize": sitecustomize.__file__,
+        "package": sys.modules["nemo_gym_browser"].__file__,
+        "hook": hook,
+        "targets": patches.installed_targets(),
+        "legacy_wrapper_file": ray_trainer.compute_advantage.__code__.co_filename,
+        "estimator_module": get_adv_estimator_fn("grpo_env_aware").__module__,
+        "estimator_file": sys.modules[get_adv_estimator_fn("grpo_env_aware").__module__].__file__,
+    }))
+    """
+)
+
+STARTUP_STATE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import sitecustomize
+    chained = sitecustomize.chained
+    print(json.dumps({
+        "sitecustomize": sitecustomize.__file__,
+        "chained": None if chained is None else chained.__file__,
+        "chained_mark": getattr(chained, "MARK", None),
+        "runs": os.environ.get("OTHER_SITECUSTOMIZE_RUNS"),
+        "package_loaded": "nemo_gym_browser" in sys.modules,
+        "hook": any(getattr(f, "nemo_gym_browser_post_import_hook", False) for f in sys.meta_path),
+        "heavy": sorted(m for m in ("torch", "verl", "numpy") if m in sys.modules),
+    }))
+    """
+)
+
+ENTRY_POINT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import verl  # verl loads every verl.plugins entry point here
+    hook = any(getattr(f, "nemo_gym_browser_post_import_hook", False) for f in sys.meta_path)
+    targets = None
+    if sys.argv[1] == "import-trainers":
+        from verl.trainer.ppo.v1 import trainer_base
+        targets = sys.modules["nemo_gym_browser.patches"].installed_targets()
+    print(json.dumps({"hook": hook, "targets": targets, "sitecustomize": "sitecustomize" in sys.modules}))
+    """
+)
+
+
+def recipe_folder(tmp_path: Path) -> Path:
+    """A copy of the recipe's top-level modules in a folder that is not installed anywhere."""
+    folder = tmp_path / "browser_recipe"
+    folder.mkdir()
+    for source in ROOT.glob("*.py"):
+        shutil.copy(source, folder / source.name)
+    return folder
+
+
+def other_sitecustomize(tmp_path: Path) -> Path:
+    folder = tmp_path / "site_hooks"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        'import os\nMARK = "site"\n'
+        'os.environ["OTHER_SITECUSTOMIZE_RUNS"] = str(int(os.environ.get("OTHER_SITECUSTOMIZE_RUNS", "0")) + 1)\n'
+    )
+    return folder
+
+
+def run_python(script: str, *args: str, pythonpath: list[Path], **env: str) -> dict:
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    environment.update(PYTHONPATH=os.pathsep.join(str(path) for path in pythonpath), **env)
+    completed = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=environment,
+        cwd=pythonpath[0].parent,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_folder_on_pythonpath_installs_the_wiring_lazily_without_importing_torch_or_verl_at_start_up(tmp_path):
+    folder = recipe_folder(tmp_path)
+    state = run_python(LAZY_INSTALL_SCRIPT, pythonpath=[folder], VERL_USE_EXTERNAL_PLUGINS="none")
+    assert state["heavy_at_start"] == []
+    assert state["sitecustomize"] == str(folder / "sitecustomize.py")
+    assert state["package"] == str(folder / "__init__.py")  # the folder itself, not an installed copy
+    assert state["hook"] is True
+    assert state["targets"] == [
+        "verl.trainer.ppo.core_algos",
+        "verl.trainer.ppo.ray_trainer",
+        "verl.trainer.ppo.v1.utils",
+        "verl.trainer.ppo.v1.trainer_base",
+    ]
+    assert state["legacy_wrapper_file"] == str(folder / "patches.py")
+    assert state["estimator_module"] == "nemo_gym_browser.group_stats"
+    assert state["estimator_file"] == str(folder / "group_stats.py")
+
+
+def test_sitecustomize_runs_the_sitecustomize_it_shadows_exactly_once(tmp_path):
+    folder, hooks = recipe_folder(tmp_path), other_sitecustomize(tmp_path)
+    state = run_python(STARTUP_STATE_SCRIPT, pythonpath=[folder, folder, hooks])
+    assert state["sitecustomize"] == str(folder / "sitecustomize.py")
+    assert state["chained"] == str(hooks / "sitecustomize.py")
+    assert state["chained_mark"] == "site"
+    assert state["runs"] == "1"
+    assert state["hook"] is True
+    assert state["heavy"] == []
+
+
+def test_switch_turns_the_wiring_off_but_still_runs_the_shadowed_sitecustomize(tmp_path):
+    folder, hooks = recipe_folder(tmp_path), other_sitecustomize(tmp_path)
+    state = run_python(STARTUP_STATE_SCRIPT, pythonpath=[folder, hooks], NEMO_GYM_BROWSER_PATCHES="0")
+    assert state["hook"] is False
+    assert state["package_loaded"] is False
+    assert state["chained_mark"] == "site"
+    assert state["runs"] == "1"
+
+
+def test_without_another_sitecustomize_nothing_is_chained(tmp_path):
+    folder = recipe_folder(tmp_path)
+    state = run_python(STARTUP_STATE_SCRIPT, pythonpath=[folder])
+    assert state["chained"] is None
+    assert state["hook"] is True
+
+
+def declared_entry_point() -> str:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return pyproject["project"]["entry-points"]["verl.plugins"]["nemo_gym_browser"]
+
+
+def distribution_with_declared_entry_point(tmp_path: Path) -> Path:
+    """The package's metadata as pip writes it from pyproject.toml, placed ahead of the installed metadata."""
+    folder = tmp_path / "dist"
+    info = folder / f"{DIST_NAME.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[verl.plugins]\nnemo_gym_browser = {declared_entry_point()}\n")
+    return folder
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_verl_plugins_entry_point_installs_the_wiring_when_verl_is_imported(tmp_path, switch):
+    env = {"NEMO_GYM_BROWSER_PATCHES": "0"} if switch == "off" else {}
+    mode = "import-trainers" if switch == "on" else "verl-only"
+    state = run_python(ENTRY_POINT_SCRIPT, mode, pythonpath=[distribution_with_declared_entry_point(tmp_path)], **env)
+    assert state["sitecustomize"] is False  # the entry point alone
+    if switch == "off":
+        assert state["hook"] is False
+    else:
+        assert state["hook"] is True
+        assert state["targets"] == [
+            "verl.trainer.ppo.core_algos",
+            "verl.trainer.ppo.ray_trainer",
+            "verl.trainer.ppo.v1.utils",
+            "verl.trainer.ppo.v1.trainer_base",
+        ]

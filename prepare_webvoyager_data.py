@@ -270,12 +270,17 @@ def task_from_webvoyager(obj: Mapping[str, Any], location: str) -> Task:
     url_field, url = _pick(obj, URL_FIELDS, location)
     url = _require_text(url, url_field or "web", location)
     parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise InputError(location, f"'{url_field}' must be an http(s) URL, got {url!r}")
+    # A relative path is a page under the environment server's own folder (the server turns it into file://),
+    # as in NeMo Gym's bundled examples; anything else must be a web URL.
+    relative = not parts.scheme and not parts.netloc and not url.strip().startswith("/") and ".." not in parts.path
+    if not relative and (parts.scheme not in ("http", "https") or not parts.netloc):
+        raise InputError(
+            location, f"'{url_field}' must be an http(s) URL or a path relative to the server's folder, got {url!r}"
+        )
     site_field, site = _pick(obj, SITE_FIELDS, location)
     site = _require_text(site, site_field or "web_name", location, allow_none=True)
     if site is None:
-        site = task_id.rsplit("--", 1)[0] if "--" in task_id else parts.hostname
+        site = task_id.rsplit("--", 1)[0] if "--" in task_id else (parts.hostname or "local")
     reference_answer = _require_text(obj.get("reference_answer"), "reference_answer", location, allow_none=True)
     reference_type = _require_text(obj.get("reference_type"), "reference_type", location, allow_none=True)
     known = {id_field, q_field, url_field, site_field, "verifier_metadata", *REFERENCE_FIELDS}

@@ -14,7 +14,10 @@ Where the numbers reach verl
       which verl 0.9.1 itself aggregates into the per-step *validation* metrics (``val-aux/<data source>/env/
       invalid/mean@N``, ...) in both trainers.
     * verl 0.9.1 has no hook that turns a custom per-sample field into a *training* metric; the recipe's trainer
-      wiring (``patches.py``) adds :func:`metrics_from_columns` to the step's metrics.
+      wiring (``patches.py``) adds these metrics where each trainer builds its step's data metrics:
+      :func:`metrics_from_columns` of the batch in the legacy ``compute_data_metrics``, :func:`episode_metrics` of
+      the non-padding samples' TransferQueue ``extra_fields`` in V1's ``PPOTrainer._compute_metrics``. They are then
+      logged every step with verl's own metrics (same keys in both trainers, unprefixed: ``env/invalid_rate``...).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""Getting the per-sample ``env_invalid`` flags to ``grpo_env_aware`` inside verl 0.9.1's two PPO trainers.
+"""Getting the per-sample flags to ``grpo_env_aware`` and to the step metrics inside verl 0.9.1's two PPO trainers.
 
 What this module guarantees
     With the recipe's patching active, a batch whose samples carry ``env_invalid`` and whose configured estimator is
-    ``grpo`` (or ``grpo_env_aware``) gets its advantages from ``group_stats.grpo_env_aware``. Every other call is
-    forwarded to verl's own function with the very same arguments, so a run whose batches carry no flag, or that
-    uses any other estimator, produces bit-identical tensors to stock verl. ``install()`` is idempotent, logs one
-    line when it changes something, and raises ``PatchError`` naming the installed verl version when a function it
-    wraps is missing or no longer has the shape it was written against. Importing this module imports neither torch
-    nor verl.
+    ``grpo`` (or ``grpo_env_aware``) gets its advantages from ``group_stats.grpo_env_aware``, and every training step
+    whose batch carries the flags gets the ``env/*`` metrics of :mod:`episode_metrics` in the metrics dict verl logs
+    (whatever the estimator). Every other call is forwarded to verl's own function with the very same arguments, so
+    a run whose batches carry no flag, or that uses any other estimator, produces bit-identical tensors (and, without
+    flags, the very same metrics) to stock verl. ``install()`` is idempotent, logs one line when it changes
+    something, and raises ``PatchError`` naming the installed verl version when a function it wraps is missing or no
+    longer has the shape it was written against. Importing this module imports neither torch nor verl.
 
 Why wrappers and not a registered estimator or a V1 trainer mode (what verl 0.9.1 offers, read off its source)
     - ``algorithm.adv_estimator=grpo_env_aware`` alone (``register_adv_est``) is not enough: verl hands a registered
@@ -38,14 +39,34 @@ Why wrappers and not a registered estimator or a V1 trainer mode (what verl 0.9.
       working; each session is judged by its final output's flag, like its reward.
     - ``core_algos``, when imported: registers ``grpo_env_aware`` for explicit use.
 
+Step metrics (the ``env/*`` keys of ``episode_metrics``)
+    verl 0.9.1 has no hook that turns a per-sample field into a *training* metric. ``reward_extra_info`` reaches the
+    validation metrics only (``_validate``); in training the legacy trainer merely copies it into
+    ``non_tensor_batch`` (for ``rollout_data_dir`` dumps) and V1 stores it in TransferQueue unread. ``AgentLoopOutput.
+    metrics`` is a closed model of four timings that only the legacy manager averages (``timing_s/agent_loop/*``),
+    and the one per-sample column verl does average (``algorithm.gdpo_reward_keys``) is read for ``gdpo`` alone. So
+    the metrics are added where each trainer builds its step's data metrics, from the batch it builds them from:
+
+    - ``ray_trainer.compute_data_metrics`` (legacy; ``RayPPOTrainer.fit`` calls this module attribute once per step
+      with the step's final batch): its result gains :func:`episode_metrics.metrics_from_columns` of the batch's
+      ``non_tensor_batch``, where verl's agent-loop manager put one column per ``extra_fields`` key.
+    - ``PPOTrainer._compute_metrics`` (V1, all three modes inherit it; ``fit`` calls it once per step with the whole
+      step's batch, after the ``parameter_sync_step`` iterations were aggregated): the ``metrics`` dict gains
+      :func:`episode_metrics.episode_metrics` of the samples' TransferQueue ``extra_fields`` dicts, without the
+      synthetic padding samples verl appends (tagged ``is_padding``; they copy a real sample's fields).
+
+    Both are logged with verl's own metrics by verl's ``Tracking`` logger, every step, under the same keys.
+
     verl's experimental trainers (``fully_async_policy``, ``separation``, ``one_step_off_policy``) are not covered.
 
 Routing rule
-    Flags count when at least one sample carries the key; a sample without it (another agent loop) counts as valid.
+    Flags count when at least one sample carries the key; a sample without it (another agent loop) counts as valid
+    for the advantage and is left out of the ``env/*`` metrics (which are not reported at all without flags).
     Estimator ``grpo`` with no flag anywhere: forwarded untouched (stock GRPO). Estimator ``grpo_env_aware``: always
     the env-aware computation, with V1's session handling. Any other estimator: forwarded untouched; if the batch
-    carries flags, one warning per process says they are ignored. Cost for an unflagged V1 ``grpo`` run: one extra
-    TransferQueue read of ``extra_fields`` per step (the results stay bit-identical).
+    carries flags, one warning per process says they are ignored. Cost for an unflagged V1 run: one extra
+    TransferQueue read of ``extra_fields`` per step for the metrics, plus one per ``_compute_advantage`` call under
+    ``grpo`` (the results stay bit-identical).
 
 The drop switch (``NEMO_GYM_BROWSER_DROP_INVALID=1``) and the recipe's default wiring
     With the switch on, a rollout still invalid after its attempts returns ``[]``; the V1 trainer skips it, so its
@@ -94,6 +115,7 @@ EXTRA_FIELDS_KEY = "extra_fields"  # the single TransferQueue field holding Agen
 ESTIMATOR_NAME = "grpo_env_aware"  # == group_stats.ESTIMATOR_NAME; not imported so that this module stays torch-free
 REQUIRED_VERL_FILE = "REQUIRED_VERL.txt"  # KEY=VALUE, next to this module; VERL_VERSION is what the patches target
 INVALID_FRACTION_METRIC = "grpo_env_aware/invalid_fraction"
+PADDING_TAG = "is_padding"  # V1: tag of the synthetic samples verl appends to make the batch divisible
 
 CORE_ALGOS = "verl.trainer.ppo.core_algos"
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
@@ -139,7 +161,7 @@ def install() -> bool:
         changed = [name for name, module in zip(TARGETS, modules, strict=True) if _APPLY[name](module)]
     if changed and "install" not in _logged:
         _logged.add("install")
-        logger.info("nemo_gym_browser: grpo_env_aware wiring installed on verl %s (%s)", verl_version(), changed)
+        logger.info("nemo_gym_browser: trainer wiring installed on verl %s (%s)", verl_version(), changed)
     return True
 
 
@@ -185,7 +207,10 @@ def _patch_core_algos(module: ModuleType) -> bool:
 def _patch_ray_trainer(module: ModuleType) -> bool:
     _require(module, "compute_response_mask")
     original = _require(module, "compute_advantage", params=("data", "adv_estimator", "norm_adv_by_std_in_grpo"))
-    return _rebind(module, "compute_advantage", original, _make_compute_advantage_wrapper)
+    data_metrics = _require(module, "compute_data_metrics", params=("batch", "use_critic"))
+    _require(_require(module, "RayPPOTrainer"), "fit", calls="compute_data_metrics")
+    changed = _rebind(module, "compute_advantage", original, _make_compute_advantage_wrapper)
+    return _rebind(module, "compute_data_metrics", data_metrics, _make_data_metrics_wrapper) or changed
 
 
 def _patch_v1_utils(module: ModuleType) -> bool:
@@ -211,8 +236,11 @@ def _patch_v1_trainer_base(module: ModuleType) -> bool:
         calls="compute_advantage_for_multi_trajectories",
     )
     multi = _require(module, "compute_advantage_for_multi_trajectories", params=("data", "batch_keys", "adv_estimator"))
+    step_metrics = _require(trainer_cls, "_compute_metrics", params=("self", "batch", "metrics"))
+    _require(trainer_cls, "fit", calls="_compute_metrics")
     changed = _rebind(module, "compute_advantage_for_multi_trajectories", multi, _make_multi_trajectories_wrapper)
-    return _rebind(trainer_cls, "_compute_advantage", method, _make_v1_compute_advantage_wrapper) or changed
+    changed = _rebind(trainer_cls, "_compute_advantage", method, _make_v1_compute_advantage_wrapper) or changed
+    return _rebind(trainer_cls, "_compute_metrics", step_metrics, _make_v1_compute_metrics_wrapper) or changed
 
 
 _APPLY: dict[str, Callable[[ModuleType], bool]] = {
@@ -228,21 +256,25 @@ def _is_patched(name: str, module: ModuleType) -> bool:
         registry = getattr(module, "ADV_ESTIMATOR_REGISTRY", {})
         return getattr(registry.get(ESTIMATOR_NAME), "_nemo_gym_browser_estimator", False)
     if name == RAY_TRAINER:
-        return _is_ours(getattr(module, "compute_advantage", None))
+        return _is_ours(getattr(module, "compute_advantage", None)) and _is_ours(
+            getattr(module, "compute_data_metrics", None)
+        )
     if name == V1_UTILS:
         return _is_ours(getattr(module, "compute_advantage", None)) and _is_ours(
             getattr(module, "compute_advantage_for_multi_trajectories", None)
         )
     trainer_cls = getattr(module, "PPOTrainer", None)
-    return _is_ours(getattr(trainer_cls, "_compute_advantage", None)) and _is_ours(
-        getattr(module, "compute_advantage_for_multi_trajectories", None)
+    return (
+        _is_ours(getattr(trainer_cls, "_compute_advantage", None))
+        and _is_ours(getattr(trainer_cls, "_compute_metrics", None))
+        and _is_ours(getattr(module, "compute_advantage_for_multi_trajectories", None))
     )
 
 
 def _apply_logged(name: str, module: ModuleType) -> None:
     if _APPLY[name](module) and name not in _logged:
         _logged.add(name)
-        logger.info("nemo_gym_browser: patched %s for grpo_env_aware (verl %s)", name, verl_version())
+        logger.info("nemo_gym_browser: patched %s for grpo_env_aware and env/* metrics (verl %s)", name, verl_version())
 
 
 def _enabled_or_log() -> bool:
@@ -287,7 +319,7 @@ def required_verl_version() -> str:
 
 def _mismatch(detail: str) -> str:
     return (
-        f"nemo_gym_browser cannot wire grpo_env_aware into verl {verl_version()}: {detail}. The patches were "
+        f"nemo_gym_browser cannot install its trainer wiring into verl {verl_version()}: {detail}. The patches were "
         f"written for verl {required_verl_version()}; install that version or set {SWITCH_ENV}=0 to run without them."
     )
 
@@ -427,7 +459,7 @@ def _make_v1_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable
             _v1_flags.reset(token)
         metrics = bound.arguments["metrics"]
         if flags is not None and isinstance(metrics, dict):
-            real = [not tag.get("is_padding", False) for tag in batch.tags] if batch.tags else [True] * len(flags)
+            real = [not tag.get(PADDING_TAG, False) for tag in batch.tags] if batch.tags else [True] * len(flags)
             counted = [flag for flag, keep in zip(flags.tolist(), real, strict=True) if keep]
             metrics[INVALID_FRACTION_METRIC] = sum(counted) / len(counted) if counted else 0.0
         return result
@@ -435,8 +467,8 @@ def _make_v1_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable
     return _compute_advantage
 
 
-def _fetch_v1_flags(batch: Any) -> Any:
-    """``env_invalid`` of every sample of a V1 batch, from its TransferQueue ``extra_fields`` dicts; None if absent."""
+def _fetch_v1_extra_fields(batch: Any) -> list[dict[str, Any] | None] | None:
+    """Every sample's ``extra_fields`` dict (None where it has none) from TransferQueue; None if the field is absent."""
     import transfer_queue as tq
     from tensordict.tensorclass import NonTensorData
 
@@ -445,15 +477,60 @@ def _fetch_v1_flags(batch: Any) -> Any:
         return None
     column = data.get(EXTRA_FIELDS_KEY)
     entries = [column.data] * len(batch.keys) if isinstance(column, NonTensorData) else column.tolist()
-    values = []
+    rows = []
     for entry in entries:
         fields = getattr(entry, "data", entry)
-        values.append(fields.get(FLAG_KEY) if isinstance(fields, dict) else None)
+        rows.append(fields if isinstance(fields, dict) else None)
+    return rows
+
+
+def _fetch_v1_flags(batch: Any) -> Any:
+    """``env_invalid`` of every sample of a V1 batch, from its TransferQueue ``extra_fields`` dicts; None if absent."""
     import numpy as np
 
-    array = np.empty(len(values), dtype=object)
-    array[:] = values
+    rows = _fetch_v1_extra_fields(batch)
+    if rows is None:
+        return None
+    array = np.empty(len(rows), dtype=object)
+    array[:] = [row.get(FLAG_KEY) if row is not None else None for row in rows]
     return flags_from_values(array)
+
+
+def _make_data_metrics_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compute_data_metrics(*args: Any, **kwargs: Any) -> Any:
+        from .episode_metrics import metrics_from_columns
+
+        metrics = original(*args, **kwargs)
+        batch = signature.bind(*args, **kwargs).arguments["batch"]
+        env_metrics = metrics_from_columns(batch.non_tensor_batch or {})
+        if env_metrics:  # without flags: verl's own dict, untouched
+            metrics.update(env_metrics)
+        return metrics
+
+    return compute_data_metrics
+
+
+def _make_v1_compute_metrics_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _compute_metrics(*args: Any, **kwargs: Any) -> Any:
+        from .episode_metrics import episode_metrics
+
+        result = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        batch, metrics = bound.arguments["batch"], bound.arguments["metrics"]
+        rows = _fetch_v1_extra_fields(batch) if isinstance(metrics, dict) else None
+        if rows is not None:
+            tags = batch.tags if batch.tags else [{}] * len(rows)
+            real = [row for row, tag in zip(rows, tags, strict=True) if not tag.get(PADDING_TAG, False)]
+            metrics.update(episode_metrics(real))  # {} when no real sample carries flags
+        return result
+
+    return _compute_metrics
 
 
 # ---------------------------------------------------------------------------------------------------------------

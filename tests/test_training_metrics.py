@@ -1,0 +1,406 @@
+"""The loop's per-sample flags reach the *training* step metrics of both verl 0.9.1 trainers as ``env/*`` keys.
+
+Legacy: rollouts of the real ``BrowserToolAgentLoop`` through verl's own ``AgentLoopWorker`` and ``_postprocess``,
+then the steps ``RayPPOTrainer.fit`` runs on the driver (``extract_reward``, ``compute_advantage``) and the very
+function it builds the step's data metrics with, ``ray_trainer.compute_data_metrics``.
+
+V1: a real ``PPOTrainerSync`` (built from verl's composed config; no GPU workers) registers the prompts of its
+dataloader and dispatches them to a real ``AgentLoopWorkerTQ`` running in this process, which stores the samples in
+a local TransferQueue; verl's ``ReplayBuffer`` samples the step's batch, verl's padding makes it divisible, and the
+trainer's own ``_compute_old_log_prob`` (bypass mode), ``_compute_advantage``, ``MetricsAggregator`` and
+``_compute_metrics`` build the step's metrics dict, the one ``fit`` hands to its logger. Only the stages that need GPU
+workers (balancing across data-parallel ranks, actor update) are not run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from torchdata.stateful_dataloader import StatefulDataLoader
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.protocol import DataProto
+from verl.single_controller.ray.base import ResourcePoolManager
+from verl.trainer.ppo import metric_utils, ray_trainer
+from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+from verl.trainer.ppo.reward import extract_reward
+from verl.trainer.ppo.v1 import trainer_base
+from verl.trainer.ppo.v1.utils import MetricsAggregator
+from verl.utils.dataset.rl_dataset import collate_fn
+
+from nemo_gym_browser import patches
+from nemo_gym_browser.browser_agent_loop import close_shared_clients
+from nemo_gym_browser.episode_metrics import FAILURE_KINDS, FLAG_KEYS, episode_metrics, metrics_from_columns
+from nemo_gym_browser.testing import scripted_policy as sp
+from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config, make_row, save_test_model
+from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer, Fault
+from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+
+ABOUT = {"url_contains": "about.html"}
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+ROLLOUT_TIMEOUT_S = 120
+# The step every flagged batch below must report: one clean sample, one still failing after both attempts, one
+# recovered on its second attempt (every failure a 503 from the environment).
+EXPECTED = {
+    "env/samples": 3.0,
+    "env/invalid_rate": 1 / 3,
+    "env/invalid_count": 1.0,
+    "env/resampled_rate": 2 / 3,
+    "env/recovered_rate": 1 / 3,
+    "env/attempts/mean": 5 / 3,
+    "env/attempts/max": 2.0,
+    "env/deadline_hit_rate": 0.0,
+    "env/reward_source/verify": 2 / 3,
+    "env/reward_source/judge": 0.0,
+    "env/refused_navigations/mean": 0.0,
+    "env/failed_attempts/server_error": 3.0,
+    "env/invalid/server_error": 1.0,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed():
+    assert patches.install() is True
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_test_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+async def server():
+    async with FakeEnvironmentServer() as fake:
+        yield fake
+    await close_shared_clients()
+
+
+def scripted_group(server, tokenizer) -> sp.ScriptedPolicy:
+    """Three tasks, told apart by their text: clean, failing every attempt, recovering on its second attempt."""
+    scripts = {
+        "clean": sp.walk_and_finish("About", "ALPHA-42"),
+        "broken": sp.steps(sp.observe(), sp.type_into("nothing", "x")),
+        "flaky": sp.steps(sp.observe(), sp.navigate(BUNDLED_ROOT + "site/about.html"), sp.finish("ok")),
+    }
+    server.inject("browser_type", Fault.status(503))  # every attempt of "broken" (the only task that types)
+    server.inject("browser_navigate", Fault.status(503), on_call=1)  # the first attempt of "flaky"
+    return sp.ScriptedPolicy(tokenizer, scripts)
+
+
+def group_rows() -> list[dict]:
+    return [
+        make_row(task=f"{name}: reach the About page", verifier_metadata=ABOUT, index=index)
+        for index, name in enumerate(("clean", "broken", "flaky"))
+    ]
+
+
+def trainer_config(server, model_dir, *overrides: str):
+    """verl's composed config with the recipe's settings; rollout log-probs stand in for the actor's (bypass mode)."""
+    return compose_trainer_config(
+        overrides=[
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"+nemo_gym_browser.environment.server_urls='{server.url}'",
+            "+nemo_gym_browser.resample_backoff_s=0",
+            "+nemo_gym_browser.max_attempts=2",
+            "algorithm.adv_estimator=grpo_env_aware",
+            "algorithm.rollout_correction.bypass_mode=true",
+            *overrides,
+        ]
+    )
+
+
+def assert_env_metrics(metrics: dict) -> None:
+    for key, value in EXPECTED.items():
+        assert metrics[key] == pytest.approx(value), key
+    for kind in FAILURE_KINDS:
+        if kind != "server_error":
+            assert metrics[f"env/failed_attempts/{kind}"] == 0.0 and metrics[f"env/invalid/{kind}"] == 0.0, kind
+    assert 0.0 < metrics["env/episode_wall_s/mean"] <= metrics["env/episode_wall_s/max"] < ROLLOUT_TIMEOUT_S
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Legacy trainer (RayPPOTrainer.fit)
+
+
+def object_column(values: list) -> np.ndarray:
+    column = np.empty(len(values), dtype=object)
+    column[:] = values
+    return column
+
+
+async def legacy_step_batch(server, model_dir) -> DataProto:
+    """The step's batch as ``RayPPOTrainer.fit`` holds it when it computes the step's metrics (no GPU stages)."""
+    config = trainer_config(server, model_dir, "trainer.use_v1=false", "actor_rollout_ref.rollout.n=3")
+    worker = AgentLoopWorker(config, scripted_group(server, build_test_tokenizer()))
+    rows = group_rows()
+    prompts = DataProto(
+        batch=TensorDict({"dummy_tensor": torch.zeros(len(rows), 1, dtype=torch.uint8)}, batch_size=len(rows)),
+        non_tensor_batch={
+            **{key: object_column([row[key] for row in rows]) for key in rows[0]},
+            "uid": object_column(["group-1"] * len(rows)),  # one prompt group of three rollouts
+        },
+        meta_info={"global_steps": 1, "validate": False},
+    )
+    batch = await asyncio.wait_for(worker.generate_sequences(prompts), ROLLOUT_TIMEOUT_S)
+    assert server.open_sessions == 0
+
+    # What fit does between generation and its metrics, in its order (reward -> adv), on the driver.
+    reward_tensor, reward_extra_infos_dict = extract_reward(batch)
+    batch.batch["token_level_scores"] = reward_tensor
+    batch.non_tensor_batch.update({k: np.array(v) for k, v in reward_extra_infos_dict.items()})
+    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+    algorithm = config.algorithm
+    return ray_trainer.compute_advantage(
+        batch,
+        adv_estimator=algorithm.adv_estimator,
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        num_repeat=config.actor_rollout_ref.rollout.n,
+        norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
+        config=algorithm,
+    )
+
+
+async def test_the_legacy_step_metrics_carry_the_env_metrics_next_to_verls_data_metrics(server, model_dir):
+    batch = await legacy_step_batch(server, model_dir)
+
+    metrics = ray_trainer.compute_data_metrics(batch=batch, use_critic=False)  # the name fit calls, once per step
+
+    assert_env_metrics(metrics)
+    stock = metric_utils.compute_data_metrics(batch=batch, use_critic=False)
+    assert {key: value for key, value in metrics.items() if not key.startswith("env/")} == stock
+    assert {key: value for key, value in metrics.items() if key.startswith("env/")} == metrics_from_columns(
+        batch.non_tensor_batch
+    )
+    assert metrics["critic/score/mean"] == pytest.approx(2 / 3)  # verl's own keys, computed from the same batch
+    assert batch.batch["advantages"][1].abs().sum() == 0  # the invalid sample learns nothing
+
+
+async def test_a_legacy_batch_without_flags_gets_exactly_verls_data_metrics(server, model_dir):
+    batch = await legacy_step_batch(server, model_dir)
+    for key in FLAG_KEYS:
+        batch.non_tensor_batch.pop(key)
+
+    metrics = ray_trainer.compute_data_metrics(batch=batch, use_critic=False)
+
+    assert metrics == metric_utils.compute_data_metrics(batch=batch, use_critic=False)
+    assert not any(key.startswith("env/") for key in metrics)
+
+
+def test_the_legacy_fit_loop_builds_its_step_metrics_with_the_wired_name():
+    assert "compute_data_metrics" in ray_trainer.RayPPOTrainer.fit.__code__.co_names
+    assert ray_trainer.compute_data_metrics.__wrapped__ is metric_utils.compute_data_metrics
+    assert trainer_base.compute_data_metrics is metric_utils.compute_data_metrics  # V1's binding stays verl's
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# V1 trainer (PPOTrainer.fit): real trainer object, real worker, real TransferQueue and replay buffer.
+
+
+@pytest.fixture(scope="module")
+def tq():
+    """A private local Ray instance with TransferQueue on it, kept on 127.0.0.1 (as in test_patches.py).
+
+    Ray replaces a loopback node address with the machine's outward address unless its cluster mode is off
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at import by Ray's own processes; the driver imported Ray
+    already, hence the constant is set too).
+    """
+    import ray
+    import ray._private.ray_constants as ray_constants
+    import transfer_queue
+
+    assert not ray.is_initialized()
+    saved = (os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER)
+    os.environ[LOOPBACK_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            address="local",  # a new private instance, never a cluster someone else started on this machine
+            num_cpus=2,
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        transfer_queue.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        yield transfer_queue
+    finally:
+        transfer_queue.close()
+        ray.shutdown()
+        if saved[0] is None:
+            os.environ.pop(LOOPBACK_ONLY_ENV, None)
+        else:
+            os.environ[LOOPBACK_ONLY_ENV] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
+
+class InProcessRollout:
+    """Stands in for ``AgentLoopManagerTQ`` (whose workers are Ray actors): hands each batch to one real
+    ``AgentLoopWorkerTQ`` in this process, on the test's event loop. Like verl's manager it returns once the batch
+    is handed over; the worker stores each finished sample in TransferQueue itself."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.dispatched: list[asyncio.Task] = []
+
+    def generate_sequences(self, prompts: TensorDict) -> None:
+        self.dispatched.append(asyncio.ensure_future(self.worker.generate_sequences(prompts)))
+
+    async def settled(self) -> None:
+        await asyncio.gather(*self.dispatched)
+        while self.worker.background_tasks:
+            await asyncio.gather(*list(self.worker.background_tasks))
+
+
+def v1_trainer(config, rollout: InProcessRollout, rows: list[dict]):
+    """verl's sync-mode trainer built by its own constructor, with what ``init_workers`` would have added."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    trainer = PPOTrainerSync(config)
+    trainer.global_steps = 1
+    trainer.agent_loop_manager = rollout
+    trainer.train_dataloader = StatefulDataLoader(
+        dataset=rows, batch_size=config.data.train_batch_size, collate_fn=collate_fn, shuffle=False
+    )
+    trainer.train_dataloader_it = None
+    trainer.resource_pool_manager = ResourcePoolManager(resource_pool_spec={"global_pool": [1]}, mapping={})
+    return trainer
+
+
+async def v1_step_metrics(config, rollout: InProcessRollout, tq, *, batch_multiple: int) -> tuple[dict, object, object]:
+    """One step of ``PPOTrainer.fit`` minus its GPU stages: the metrics dict fit would log, the batch, the trainer."""
+    trainer = v1_trainer(config, rollout, group_rows())
+    trainer.prepare_step()  # dataloader -> uids -> prompts registered in TransferQueue -> dispatched
+    await asyncio.wait_for(rollout.settled(), ROLLOUT_TIMEOUT_S)
+    statuses = [tag.get("status") for tag in tq.kv_list("train")["train"].values() if tag.get("is_prompt")]
+    assert statuses == ["finished"] * len(statuses) and statuses, statuses  # else sample() would wait or refill
+
+    iteration: dict = {}
+    batch, sample_metrics = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=3)
+    iteration.update(sample_metrics)
+    batch = upsample_batch_to_divisible_size(batch, batch_multiple, rollout.worker.tokenizer.eos_token_id)
+    batch = trainer._compute_old_log_prob(batch, metrics=iteration)  # bypass mode: no actor needed
+    batch = trainer._compute_advantage(batch, metrics=iteration)
+    aggregator = MetricsAggregator()  # what step() does with each iteration's metrics
+    aggregator.add_step_metrics(iteration, sample_count=sum(not tag.get("is_padding") for tag in batch.tags))
+    metrics = aggregator.get_aggregated_metrics()
+    trainer._compute_metrics(batch, metrics, {"step": 1.0}, global_steps=1, epoch=0)
+    return metrics, batch, trainer
+
+
+def tq_worker(config, policy):
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    return AgentLoopWorkerTQ.__ray_actor_class__(config, policy)
+
+
+async def test_the_v1_step_metrics_carry_the_env_metrics_of_the_real_samples_only(server, model_dir, tq):
+    config = trainer_config(server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3")
+    rollout = InProcessRollout(tq_worker(config, scripted_group(server, build_test_tokenizer())))
+
+    metrics, batch, _ = await v1_step_metrics(config, rollout, tq, batch_multiple=4)
+
+    assert [tag.get("is_padding", False) for tag in batch.tags].count(True) == 1  # a copy of a real sample
+    assert_env_metrics(metrics)  # env/samples == 3: the padding sample is not counted
+    assert metrics["critic/score/mean"] == pytest.approx(2 / 3)  # verl's own keys, in the same dict
+    assert metrics["training/num_turns/mean"] > 0
+    assert metrics[patches.INVALID_FRACTION_METRIC] == pytest.approx(1 / 3)
+    assert server.open_sessions == 0
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)  # what fit does after logging
+
+
+async def test_a_v1_step_without_flags_gets_exactly_verls_metrics(server, model_dir, tq):
+    config = trainer_config(
+        server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3", "algorithm.adv_estimator=grpo"
+    )
+    worker = tq_worker(config, scripted_group(server, build_test_tokenizer()))
+    postprocess = worker._agent_loop_postprocess
+
+    async def another_recipes_samples(output, validate, **kwargs):  # the same samples, minus the recipe's flags
+        outputs = output if isinstance(output, list) else [output]
+        for item in outputs:
+            for key in FLAG_KEYS:
+                item.extra_fields.pop(key, None)
+        return await postprocess(output, validate, **kwargs)
+
+    worker._agent_loop_postprocess = another_recipes_samples
+    rollout = InProcessRollout(worker)
+    metrics, batch, trainer = await v1_step_metrics(config, rollout, tq, batch_multiple=1)
+    stock: dict = {}
+    trainer_base.PPOTrainer._compute_metrics.__wrapped__(trainer, batch, stock, {"step": 1.0}, global_steps=1, epoch=0)
+
+    assert not any(key.startswith("env/") for key in metrics) and patches.INVALID_FRACTION_METRIC not in metrics
+    assert set(stock) <= set(metrics)
+    assert {key: metrics[key] for key in stock} == stock
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+def test_every_v1_trainer_mode_builds_its_step_metrics_with_the_wired_method():
+    from verl.trainer.ppo.v1 import get_trainer_cls  # the package imports (and so registers) every mode
+
+    wired = trainer_base.PPOTrainer._compute_metrics
+    assert wired.__wrapped__.__module__ == trainer_base.__name__
+    assert "_compute_metrics" in trainer_base.PPOTrainer.fit.__code__.co_names
+    for mode in ("sync", "colocate_async", "separate_async"):
+        assert get_trainer_cls(mode)._compute_metrics is wired, mode
+        assert get_trainer_cls(mode).fit is trainer_base.PPOTrainer.fit, mode
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Installation
+
+
+def test_install_twice_keeps_one_wrapper_around_each_metrics_function():
+    before = (ray_trainer.compute_data_metrics, trainer_base.PPOTrainer._compute_metrics)
+    assert patches.install() is True and patches.install_on_import() is True
+    after = (ray_trainer.compute_data_metrics, trainer_base.PPOTrainer._compute_metrics)
+    assert all(a is b for a, b in zip(before, after, strict=True))
+    for wrapper in after:
+        assert wrapper.__wrapped__.__module__.startswith("verl.") and not hasattr(wrapper.__wrapped__, "__wrapped__")
+    assert patches.installed_targets() == list(patches.TARGETS)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "replacement", "named"),
+    [
+        (ray_trainer, "compute_data_metrics", None, "compute_data_metrics"),
+        (ray_trainer, "compute_data_metrics", lambda data: {}, "compute_data_metrics"),
+        (ray_trainer.RayPPOTrainer, "fit", lambda self: None, "fit no longer calls compute_data_metrics"),
+        (trainer_base.PPOTrainer, "_compute_metrics", None, "_compute_metrics"),
+        (trainer_base.PPOTrainer, "_compute_metrics", lambda self, batch: None, "_compute_metrics"),
+        (trainer_base.PPOTrainer, "fit", lambda self: None, "fit no longer calls _compute_metrics"),
+    ],
+    ids=["legacy-missing", "legacy-new-signature", "legacy-fit", "v1-missing", "v1-new-signature", "v1-fit"],
+)
+def test_install_fails_loudly_naming_the_verl_version_when_a_metrics_function_moved(
+    monkeypatch, owner, name, replacement, named
+):
+    if replacement is None:
+        monkeypatch.delattr(owner, name)
+    else:
+        monkeypatch.setattr(owner, name, replacement)
+    with pytest.raises(patches.PatchError, match=r"verl 0\.9\.1: .*" + named):
+        patches.install()
+
+
+def test_deadline_hits_and_the_judge_share_are_rates_over_the_flagged_samples():
+    base = {"env_invalid": False, "env_failure_kind": None, "env_attempts": 1, "env_episode_wall_s": 2.0}
+    rows = [
+        {**base, "deadline_hit": True, "reward_source": "verify"},
+        {**base, "deadline_hit": True, "reward_source": "judge"},
+        {**base, "deadline_hit": False, "reward_source": "judge", "env_episode_wall_s": 6.0},
+        {**base, "deadline_hit": False, "reward_source": "judge"},
+        None,  # a sample of another agent loop
+    ]
+
+    metrics = episode_metrics(rows)
+
+    assert metrics["env/samples"] == 4.0 and metrics["env/deadline_hit_rate"] == 0.5
+    assert metrics["env/reward_source/judge"] == 0.75 and metrics["env/reward_source/verify"] == 0.25
+    assert metrics["env/episode_wall_s/mean"] == 3.0 and metrics["env/episode_wall_s/max"] == 6.0

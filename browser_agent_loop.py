@@ -303,10 +303,6 @@ class EpisodeSpec:
 # ----- one attempt's live state -------------------------------------------------------------------------------
 
 
-class _DeadlineReached(Exception):
-    pass
-
-
 def parse_tool_call(tool_name: str, parameters: Any) -> tuple[str, dict[str, Any]] | str:
     """``(environment tool, arguments)`` for a call of ``tool_name``, or the policy error to show the model.
 
@@ -451,9 +447,6 @@ class BrowserEpisode:
         self.tool_calls += 1
         try:
             result = await self._bounded_call(tool, arguments)
-        except _DeadlineReached:
-            self.hit_deadline(tool)
-            return DEADLINE_MESSAGE
         except EnvironmentFailure as failure:
             self.fail(failure)
             return ABANDONED_MESSAGE
@@ -462,15 +455,19 @@ class BrowserEpisode:
             self.fail(EnvironmentFailure(FailureKind.SERVER_ERROR, f"{tool} raised {type(exc).__name__}: {exc}"))
             return ABANDONED_MESSAGE
         self._record(tool, arguments, result)
+        if self.remaining() <= 0:  # the deadline passed while the call ran: the page stands as the call left it
+            self.hit_deadline(tool)
+            return DEADLINE_MESSAGE
         return render_result(result)
 
     async def _bounded_call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
-        remaining = self.remaining()
-        if remaining < self.call_bound_s:
-            try:
-                return await asyncio.wait_for(self.session.call(tool, arguments), remaining)
-            except asyncio.TimeoutError:
-                raise _DeadlineReached from None
+        """One browser action, bounded by the per-call timeout only.
+
+        A call still in flight when the episode deadline passes may finish within its own timeout (the caller then
+        ends the episode at the deadline, scored as it stands); one that does not is a hung call, an infrastructure
+        failure, whatever the deadline. So an episode lasts at most its deadline plus one per-call timeout, and a
+        hang near the end of an episode is never turned into a policy zero.
+        """
         try:
             return await asyncio.wait_for(self.session.call(tool, arguments), self.call_bound_s)
         except asyncio.TimeoutError:

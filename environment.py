@@ -513,19 +513,27 @@ class BrowserSession:
             return
         self.closed = True
         self.events.append("close")
+        body = _CloseRequest(resources_session_id=self.session_id, episode_id=self._episode).model_dump()
         try:
-            body = _CloseRequest(resources_session_id=self.session_id, episode_id=self._episode)
-            status, payload = await self._post(
-                "/close_session",
-                body.model_dump(),
-                timeout_s=self._config.close_timeout_s,
-                retry=True,
-                call_kind=FailureKind.SERVER_ERROR,
-            )
-            if status != 200:
-                logger.warning("session %s: close answered HTTP %s: %s", self.session_id, status, _brief(payload))
-        except EnvironmentFailure as failure:
-            logger.warning("session %s: close failed, the browser may stay open: %s", self.session_id, failure)
+            # Closing is idempotent, so a 5xx is retried too: a close given up on leaves a browser open for good.
+            for attempt in range(1 + self._config.transient_retries):
+                try:
+                    status, payload = await self._post(
+                        "/close_session",
+                        body,
+                        timeout_s=self._config.close_timeout_s,
+                        retry=True,
+                        call_kind=FailureKind.SERVER_ERROR,
+                    )
+                except EnvironmentFailure as failure:
+                    if failure.kind is FailureKind.SERVER_ERROR and attempt < self._config.transient_retries:
+                        await asyncio.sleep(self._config.retry_backoff_s * (2**attempt))
+                        continue
+                    logger.warning("session %s: close failed, the browser may stay open: %s", self.session_id, failure)
+                    break
+                if status != 200:
+                    logger.warning("session %s: close answered HTTP %s: %s", self.session_id, status, _brief(payload))
+                break
         except BaseException:
             logger.warning("session %s: close interrupted, the browser may stay open", self.session_id)
             raise

@@ -354,6 +354,25 @@ async def test_close_is_idempotent_and_never_raises_when_the_server_is_gone(serv
     assert "close failed" in caplog.text
 
 
+async def test_a_close_answered_with_a_5xx_is_retried_because_a_given_up_close_leaks_a_browser(server, client):
+    server.inject("close_session", Fault.status(503), times=2)
+    async with open_session(client) as session:
+        await session.observe()
+    assert server.calls("close_session") == 3
+    assert server.open_sessions == 0
+    assert await session.is_released()
+
+
+async def test_a_close_failing_beyond_its_budget_is_logged_not_raised(server, client, caplog):
+    caplog.set_level(logging.WARNING)
+    server.inject("close_session", Fault.status(503))
+    async with open_session(client) as session:
+        await session.observe()
+    assert server.calls("close_session") == 3
+    assert "close failed, the browser may stay open" in caplog.text
+    assert server.open_sessions == 1  # what the warning says: the browser is still there
+
+
 async def test_a_cancelled_episode_still_closes_its_session(server, client):
     server.inject("browser_click", Fault.hang(10))
     entered = asyncio.Event()

@@ -24,6 +24,7 @@ started=$SECONDS
 bash scripts/setup.sh
 if ((offline_only == 0)); then
     bash scripts/setup_environment.sh
+    bash scripts/setup_slurm.sh
 fi
 PY="$ROOT/.venv/bin/python"
 

@@ -1,0 +1,441 @@
+"""Check a composed verl config for this recipe before any GPU is touched: the submit script's last word before Ray.
+
+``submit_webvoyager.sh`` composes the full configuration with ``python -m verl.trainer.main_ppo ... --cfg job`` (which
+proves every override key exists) and hands the result to this CLI, which checks what composing cannot:
+
+* ``paths``      the agent-loop and tool configs are absolute, existing files (Ray workers open them elsewhere), the
+                 environment servers are set, the model path is not verl's placeholder;
+* ``verl``       ``verl.utils.config.validate_config``, the check ``main_ppo`` itself runs first (batch sizes against
+                 GPUs, micro-batch settings, ...);
+* ``estimator``  ``algorithm.adv_estimator`` is registered in a fresh process, as it must be in every Ray worker
+                 (the recipe's plugin entry point or ``sitecustomize.py`` does that);
+* ``agent-loop`` the default agent loop is in the agent-loop YAML, its class imports, and its settings (YAML kwargs
+                 with the trainer config's ``nemo_gym_browser`` section on top) build, unknown keys rejected;
+* ``tools``      verl loads the tool config (``load_all_tools``), as each AgentLoopWorker will;
+* ``data``       verl resolves ``data.custom_cls``, the class loads every train and val row, and there is at least
+                 one full batch (verl drops the last incomplete one);
+* ``prompts``    when the model is a local folder: its chat template renders the tools, and every prompt, built as
+                 the agent loop builds it, fits ``rollout.prompt_length`` (verl would silently cut its head: the
+                 system prompt and the tools);
+* ``judge``      with ``--probe-judge`` and a judge configured: the endpoint lists the judge model.
+
+With ``--ray-workers`` (once the Ray cluster is up, ``RAY_ADDRESS`` set) it runs one more check instead:
+
+* ``ray-workers`` a task pinned to every alive node reports what a Ray worker there sees: the drop switch
+                 ``NEMO_GYM_BROWSER_DROP_INVALID`` with the value this process has, the recipe importable, the
+                 estimator registered, and the judge key variable present (never its value). Shell variables reach
+                 Ray workers only through the raylet's environment, so this is where a missing export shows.
+
+Exit codes: 0 every check passed, 1 a check failed (each failure says what to change), 2 usage or unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# verl's own default model path: seeing it means the script's model override did not arrive.
+VERL_PLACEHOLDER_MODEL = "~/models/deepseek-llm-7b-chat"
+JUDGE_PROBE_TIMEOUT_S = 15.0
+# Connecting a driver and starting one worker per node takes seconds; a node that cannot run a task in this long
+# will not run rollouts either.
+RAY_PROBE_TIMEOUT_S = 180.0
+DROP_SWITCH_ENV = "NEMO_GYM_BROWSER_DROP_INVALID"
+# Prompts are rendered one by one on the CPU; beyond this many rows a sample is representative and keeps this fast.
+MAX_PROMPTS_RENDERED = 2000
+
+EXAMPLES = """\
+examples:
+  python -m verl.trainer.main_ppo --config-path=$PWD/configs --config-name=webvoyager_grpo OVERRIDES... \\
+      --cfg job > composed.yaml
+  python preflight.py --config composed.yaml
+  python preflight.py --config composed.yaml --probe-judge
+  RAY_ADDRESS=127.0.0.1:6379 python preflight.py --config composed.yaml --ray-workers
+
+exit codes: 0 all checks passed, 1 a check failed, 2 usage or unreadable input
+"""
+
+
+class CheckFailed(Exception):
+    """A check found something to fix before the run."""
+
+
+class Context:
+    """What the checks share: the composed config and what earlier checks built."""
+
+    def __init__(self, config: Any, probe_judge: bool):
+        self.config = config
+        self.probe_judge = probe_judge
+        self.settings: Any = None
+        self.tool_schemas: list[dict[str, Any]] = []
+        self.prompts: list[list[dict[str, Any]]] = []
+        self.tokenizer: Any = None
+
+
+def _model_path(ctx: Context) -> str:
+    return str(ctx.config.actor_rollout_ref.model.path)
+
+
+def _local_model_dir(ctx: Context) -> Path | None:
+    path = Path(os.path.expanduser(_model_path(ctx)))
+    return path if path.is_dir() else None
+
+
+def check_paths(ctx: Context) -> str:
+    from omegaconf import OmegaConf
+
+    rollout = ctx.config.actor_rollout_ref.rollout
+    problems = []
+    for key, value in (
+        ("actor_rollout_ref.rollout.agent.agent_loop_config_path", rollout.agent.agent_loop_config_path),
+        ("actor_rollout_ref.rollout.multi_turn.tool_config_path", rollout.multi_turn.tool_config_path),
+    ):
+        if not value:
+            problems.append(f"{key} is not set")
+        elif not os.path.isabs(str(value)):
+            problems.append(f"{key}={value} must be absolute: Ray workers resolve it in another working directory")
+        elif not os.path.isfile(str(value)):
+            problems.append(f"{key}={value} does not exist")
+    if not rollout.multi_turn.enable:
+        problems.append("actor_rollout_ref.rollout.multi_turn.enable must be true for browser episodes")
+    if OmegaConf.is_missing(ctx.config, "nemo_gym_browser") or OmegaConf.is_missing(
+        ctx.config.nemo_gym_browser.environment, "server_urls"
+    ):
+        problems.append("nemo_gym_browser.environment.server_urls is not set")
+    if _model_path(ctx) == VERL_PLACEHOLDER_MODEL:
+        problems.append("actor_rollout_ref.model.path is verl's placeholder: set MODEL_PATH")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    return f"config paths absolute and present, model {_model_path(ctx)}"
+
+
+def check_verl(ctx: Context) -> str:
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    try:
+        with warnings.catch_warnings():  # "Disabled critic as algorithm.adv_estimator != gae": intended for GRPO
+            warnings.simplefilter("ignore", UserWarning)
+            validate_config(
+                config=ctx.config,
+                use_reference_policy=need_reference_policy(ctx.config),
+                use_critic=need_critic(ctx.config),
+            )
+    except (AssertionError, ValueError, TypeError) as exc:
+        raise CheckFailed(f"verl's validate_config: {exc}") from exc
+    trainer = ctx.config.trainer
+    return f"validate_config passed for {trainer.nnodes} node(s) x {trainer.n_gpus_per_node} GPU(s)"
+
+
+def check_estimator(ctx: Context) -> str:
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    name = str(ctx.config.algorithm.adv_estimator)
+    if name == "gae":
+        return "gae (verl's own)"
+    try:
+        get_adv_estimator_fn(name)
+    except ValueError as exc:
+        raise CheckFailed(
+            f"advantage estimator {name!r} is not registered in a fresh process: install the recipe "
+            "(pip install -e <recipe>) or put the recipe folder on PYTHONPATH (its sitecustomize.py registers it)"
+        ) from exc
+    return f"{name} registered"
+
+
+def check_agent_loop(ctx: Context) -> str:
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from nemo_gym_browser.browser_agent_loop import resolve_settings
+
+    agent = ctx.config.actor_rollout_ref.rollout.agent
+    entries = OmegaConf.to_container(OmegaConf.load(str(agent.agent_loop_config_path)), resolve=True)
+    if not isinstance(entries, list):
+        raise CheckFailed(f"{agent.agent_loop_config_path} must be a YAML list of {{name, _target_, ...}}")
+    by_name = {entry.get("name"): entry for entry in entries if isinstance(entry, dict)}
+    entry = by_name.get(agent.default_agent_loop)
+    if entry is None:
+        raise CheckFailed(
+            f"default_agent_loop {agent.default_agent_loop!r} is not in {agent.agent_loop_config_path} "
+            f"(it has {sorted(name for name in by_name if name)})"
+        )
+    try:
+        get_class(entry["_target_"])
+    except Exception as exc:  # hydra wraps import errors in several types
+        raise CheckFailed(f"agent loop class {entry.get('_target_')!r} does not import: {exc}") from exc
+    kwargs = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
+    try:
+        ctx.settings = resolve_settings(kwargs, ctx.config)
+    except (ValueError, TypeError) as exc:
+        raise CheckFailed(f"agent-loop settings (YAML + nemo_gym_browser section): {exc}") from exc
+    urls = ", ".join(ctx.settings.environment.server_urls)
+    judge = f"judge {ctx.settings.judge.model}" if ctx.settings.judge else "no judge"
+    return f"{agent.default_agent_loop} ({entry['_target_']}); servers {urls}; {judge}"
+
+
+def check_tools(ctx: Context) -> str:
+    from verl.tools.tool_registry import load_all_tools
+
+    multi_turn = ctx.config.actor_rollout_ref.rollout.multi_turn
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # verl prints every schema it loads
+            tools = load_all_tools(tool_config_path=str(multi_turn.tool_config_path), function_tool_path=None)
+    except Exception as exc:  # verl raises whatever the tool class or the YAML raises
+        raise CheckFailed(f"verl could not load {multi_turn.tool_config_path}: {exc}") from exc
+    if not tools:
+        raise CheckFailed(f"{multi_turn.tool_config_path} declares no tools")
+    ctx.tool_schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools]
+    return "tools " + ", ".join(tool.name for tool in tools)
+
+
+def _load_rows(ctx: Context, dataset_cls: Any, files: Any, tokenizer: Any) -> Any:
+    from omegaconf import ListConfig
+
+    data_files = list(files) if isinstance(files, list | tuple | ListConfig) else [str(files)]
+    missing = [path for path in data_files if not os.path.isfile(os.path.expanduser(str(path)))]
+    if missing:
+        raise CheckFailed(f"data file(s) missing: {missing}")
+    try:
+        return dataset_cls(data_files=data_files, tokenizer=tokenizer, processor=None, config=ctx.config.data)
+    except Exception as exc:  # the dataset names the file and line of a bad row
+        raise CheckFailed(f"{dataset_cls.__name__} rejected {data_files}: {exc}") from exc
+
+
+def check_data(ctx: Context) -> str:
+    from verl.utils.dataset.rl_dataset import get_dataset_class
+
+    data = ctx.config.data
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # verl prints the class it picked
+            dataset_cls = get_dataset_class(data)
+    except Exception as exc:  # import errors, or a class that is no torch Dataset
+        where = f"{data.custom_cls.path}:{data.custom_cls.name}"
+        raise CheckFailed(f"data.custom_cls {where} does not load: {exc}") from exc
+    train = _load_rows(ctx, dataset_cls, data.train_files, ctx.tokenizer)
+    val = _load_rows(ctx, dataset_cls, data.val_files, ctx.tokenizer)
+    if len(train) < data.train_batch_size:
+        raise CheckFailed(
+            f"{len(train)} train rows < data.train_batch_size={data.train_batch_size}: no full batch (verl drops "
+            "the last incomplete batch), so the run would have no training step"
+        )
+    for dataset in (train, val):
+        for index in range(min(len(dataset), MAX_PROMPTS_RENDERED)):
+            ctx.prompts.append(dataset[index]["raw_prompt"])
+    steps = len(train) // data.train_batch_size
+    return f"{dataset_cls.__name__}: {len(train)} train rows ({steps} step(s) per epoch), {len(val)} val rows"
+
+
+def check_prompts(ctx: Context) -> str:
+    model_dir = _local_model_dir(ctx)
+    if model_dir is None:
+        return f"skipped: {_model_path(ctx)} is not a local folder (nothing downloaded here)"
+    from transformers import AutoConfig, AutoTokenizer
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    model = ctx.config.actor_rollout_ref.model
+    tokenizer = AutoTokenizer.from_pretrained(str(model.get("tokenizer_path") or model_dir))
+    model_type = getattr(AutoConfig.from_pretrained(str(model_dir)), "model_type", None)
+    chat_template_kwargs = dict(ctx.config.data.get("apply_chat_template_kwargs") or {})
+    builder = create_continuous_token_builder(
+        tokenizer, hf_model_type=model_type, chat_template_kwargs=chat_template_kwargs
+    )
+    if not ctx.prompts:
+        raise CheckFailed("no prompt to render (the data check did not run)")
+    rendered = tokenizer.apply_chat_template(
+        ctx.prompts[0], tools=ctx.tool_schemas, add_generation_prompt=True, tokenize=False, **chat_template_kwargs
+    )
+    names = [schema["function"]["name"] for schema in ctx.tool_schemas]
+    absent = [name for name in names if name not in rendered]
+    if absent:
+        raise CheckFailed(f"the chat template of {model_dir} does not render the tools {absent}: use a tool model")
+    limit = int(ctx.config.actor_rollout_ref.rollout.prompt_length)
+    lengths = [len(builder.build_initial_tokens(messages, tools=ctx.tool_schemas)) for messages in ctx.prompts]
+    too_long = sum(length > limit for length in lengths)
+    if too_long:
+        raise CheckFailed(
+            f"{too_long} of {len(lengths)} prompts exceed rollout.prompt_length={limit} tokens (longest "
+            f"{max(lengths)}); verl would cut their head (system prompt, tools): raise MAX_PROMPT_LENGTH"
+        )
+    longest = max(lengths)
+    return f"chat template renders {len(names)} tool(s); {len(lengths)} prompts fit {limit} tokens (longest {longest})"
+
+
+def check_judge(ctx: Context) -> str:
+    judge = ctx.settings.judge if ctx.settings is not None else None
+    if judge is None:
+        return "skipped: no judge configured"
+    if not ctx.probe_judge:
+        return f"configured ({judge.model} at {judge.base_url}); not probed"
+    request = urllib.request.Request(judge.base_url.rstrip("/") + "/models")
+    if judge.api_key_env:
+        key = os.environ.get(judge.api_key_env)
+        if not key:
+            raise CheckFailed(f"the judge key variable {judge.api_key_env} is not set")
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=JUDGE_PROBE_TIMEOUT_S) as response:
+            body = json.loads(response.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
+        raise CheckFailed(
+            f"judge endpoint {judge.base_url}/models did not answer ({exc}); start it, fix JUDGE_BASE_URL, "
+            "or set JUDGE_PROBE=0 if it starts later"
+        ) from exc
+    served = [item.get("id") for item in body.get("data", []) if isinstance(item, dict)]
+    if judge.model not in served:
+        raise CheckFailed(f"judge endpoint {judge.base_url} serves {served}, not {judge.model!r} (JUDGE_MODEL)")
+    return f"{judge.base_url} serves {judge.model}"
+
+
+def _worker_view(estimator: str, judge_key_env: str | None) -> dict[str, Any]:
+    """What a Ray worker process sees (runs inside the worker; pickled by value with this script)."""
+    import importlib
+    import socket
+
+    view: dict[str, Any] = {"host": socket.gethostname(), "drop_switch": os.environ.get(DROP_SWITCH_ENV)}
+    try:
+        importlib.import_module("nemo_gym_browser")
+        view["package"] = True
+    except ImportError:
+        view["package"] = False
+    try:
+        from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+        get_adv_estimator_fn(estimator)
+        view["estimator"] = True
+    except (ImportError, ValueError):
+        view["estimator"] = False
+    view["judge_key"] = bool(os.environ.get(judge_key_env)) if judge_key_env else None
+    return view
+
+
+def check_ray_workers(ctx: Context) -> str:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    judge = ctx.config.nemo_gym_browser.get("judge") if "nemo_gym_browser" in ctx.config else None
+    judge_key_env = judge.get("api_key_env") if judge else None
+    estimator = str(ctx.config.algorithm.adv_estimator)
+    expected_switch = os.environ.get(DROP_SWITCH_ENV)
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise CheckFailed("RAY_ADDRESS is not set: start the Ray cluster first")
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        nodes = [node for node in ray.nodes() if node["Alive"]]
+        probe = ray.remote(num_cpus=0)(_worker_view)
+        refs = [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+                estimator, judge_key_env
+            )
+            for node in nodes
+        ]
+        try:
+            views = ray.get(refs, timeout=RAY_PROBE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise CheckFailed(f"a Ray node ran no task within {RAY_PROBE_TIMEOUT_S:.0f} s") from exc
+    finally:
+        ray.shutdown()
+    problems = []
+    for view in views:
+        host = view["host"]
+        if view["drop_switch"] != expected_switch:
+            problems.append(f"{host}: {DROP_SWITCH_ENV}={view['drop_switch']!r}, expected {expected_switch!r}")
+        if not view["package"]:
+            problems.append(f"{host}: nemo_gym_browser does not import in a Ray worker")
+        if not view["estimator"]:
+            problems.append(f"{host}: estimator {estimator!r} is not registered in a Ray worker")
+        if view["judge_key"] is False:
+            problems.append(f"{host}: the judge key variable {judge_key_env} is not set in a Ray worker")
+    if problems:
+        raise CheckFailed("; ".join(problems) + " (export them before `ray start`)")
+    hosts = ", ".join(sorted(view["host"] for view in views))
+    return f"{len(views)} node(s) ({hosts}): {DROP_SWITCH_ENV}={expected_switch}, recipe and {estimator} in place"
+
+
+CHECKS: tuple[tuple[str, Callable[[Context], str]], ...] = (
+    ("paths", check_paths),
+    ("verl", check_verl),
+    ("estimator", check_estimator),
+    ("agent-loop", check_agent_loop),
+    ("tools", check_tools),
+    ("data", check_data),
+    ("prompts", check_prompts),
+    ("judge", check_judge),
+)
+
+
+RAY_CHECKS: tuple[tuple[str, Callable[[Context], str]], ...] = (("ray-workers", check_ray_workers),)
+
+
+def run_checks(
+    config: Any, *, probe_judge: bool = False, checks: tuple[tuple[str, Callable[[Context], str]], ...] = CHECKS
+) -> list[tuple[str, bool, str]]:
+    """Run ``checks`` in order; a check that needs an earlier one's result is skipped if that one failed."""
+    ctx = Context(config, probe_judge)
+    results: list[tuple[str, bool, str]] = []
+    failed: set[str] = set()
+    needs = {"prompts": {"tools", "data"}, "data": {"paths"}, "judge": {"agent-loop"}, "agent-loop": {"paths"}}
+    for name, check in checks:
+        if needs.get(name, set()) & failed:
+            results.append((name, False, f"not run: it needs {sorted(needs[name] & failed)}"))
+            failed.add(name)
+            continue
+        try:
+            results.append((name, True, check(ctx)))
+        except CheckFailed as exc:
+            results.append((name, False, str(exc)))
+            failed.add(name)
+        except ImportError as exc:
+            results.append((name, False, f"{exc}: is the recipe installed (pip install -e <recipe>) or on PYTHONPATH?"))
+            failed.add(name)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="preflight.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, required=True, help="a config composed by main_ppo --cfg job (YAML)")
+    parser.add_argument("--probe-judge", action="store_true", help="ask the judge endpoint for its model list")
+    parser.add_argument(
+        "--ray-workers", action="store_true", help="only check what Ray workers on every node see (needs RAY_ADDRESS)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from omegaconf import OmegaConf
+
+    try:
+        config = OmegaConf.load(args.config)
+    except (OSError, ValueError) as exc:
+        print(f"preflight: cannot read {args.config}: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    results = run_checks(config, probe_judge=args.probe_judge, checks=RAY_CHECKS if args.ray_workers else CHECKS)
+    for name, ok, detail in results:
+        print(f"preflight: {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    failures = sum(not ok for _, ok, _ in results)
+    verdict = f"{failures} of {len(results)} checks failed" if failures else f"all {len(results)} checks passed"
+    print(f"preflight: {verdict} in {time.monotonic() - started:.1f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,662 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=webvoyager-grpo
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --mem=0
+#SBATCH --time=24:00:00
+#SBATCH --output=%x-%j.out
+##SBATCH --partition=<PARTITION>
+##SBATCH --account=<ACCOUNT>
+#
+# Step-wise GRPO on NeMo Gym's interactive_browser with verl 0.9.1 (the recipe in this folder).
+#
+#   cp config.env.example config.env && $EDITOR config.env
+#   sbatch submit_webvoyager.sh --dry-run          # every check that needs no GPU, on the real nodes
+#   sbatch submit_webvoyager.sh                    # train
+#   sbatch submit_webvoyager.sh trainer.total_epochs=1 actor_rollout_ref.actor.optim.lr=5e-7   # extra overrides
+#   bash submit_webvoyager.sh --dry-run            # the same checks on this machine, without Slurm (one node)
+#   bash submit_webvoyager.sh --print-overrides    # the hydra overrides it would pass, one per line
+#
+# The #SBATCH lines are an example shape (2 nodes x 8 GPUs); sbatch options on the command line win over them.
+# Uncomment (remove one '#') and fill in the partition and account lines for your site.
+#
+# What one job does, in order (every step is bounded in time and logged under LOG_DIR/RUN_ID):
+#   1. reads config.env (CONFIG_ENV=path or --config path) and checks it, the data files and the model folder
+#   2. composes the full verl config with every override (`main_ppo ... --cfg job`) and checks it (preflight.py)
+#   3. starts ENV_SERVERS_PER_NODE NeMo Gym interactive_browser servers on EVERY node, on 127.0.0.1 ports
+#      ENV_BASE_PORT, ENV_BASE_PORT+1, ...: each node's rollout workers use the servers of their own node, so one
+#      list of loopback URLs is right everywhere and no browser server is ever exposed on the cluster network
+#   4. walks one smoke episode against every server, from its own node (smoke_environment.py)
+#   5. starts a Ray head on this node and one Ray worker per other node, waits until all have joined, and checks
+#      that a Ray worker on every node sees the drop switch, the recipe and its estimator
+#   6. --dry-run stops here (exit 0); otherwise `python -m verl.trainer.main_ppo` with the recipe's config
+#   and on exit, failure or cancellation stops every process it started, by PID.
+set -euo pipefail
+
+usage() { sed -n '/^# Step-wise GRPO/,/^# Uncomment/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line: our flags first; everything after them is passed to verl as hydra overrides, last (so it wins).
+# ----------------------------------------------------------------------------------------------------------------
+MODE=train
+while (($#)); do
+    case "$1" in
+        --dry-run) MODE=dry-run ;;
+        --print-overrides) MODE=print-overrides ;;
+        --config) CONFIG_ENV="${2:?--config needs a path}"; shift ;;
+        --config=*) CONFIG_ENV="${1#--config=}" ;;
+        -h | --help) usage; exit 0 ;;
+        --) shift; break ;;
+        -*) echo "submit_webvoyager.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        *) break ;;
+    esac
+    shift
+done
+
+log() { printf '[submit %(%H:%M:%S)T] %s\n' -1 "$*"; }
+die() {
+    printf '[submit %(%H:%M:%S)T] ERROR: %s\n' -1 "$*" >&2
+    exit 1
+}
+
+# sbatch runs a copy of this script from its spool folder: find the recipe folder the job was submitted from.
+find_recipe_dir() {
+    local here candidate
+    here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+    if [[ -f "${here}/configs/webvoyager_grpo.yaml" ]]; then
+        echo "${here}"
+        return
+    fi
+    if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v scontrol >/dev/null; then
+        candidate="$(scontrol show job -o "${SLURM_JOB_ID}" 2>/dev/null | sed -n 's/.* Command=\([^ ]*\).*/\1/p')"
+        candidate="$(dirname "${candidate:-/nonexistent/x}")"
+        if [[ -f "${candidate}/configs/webvoyager_grpo.yaml" ]]; then
+            echo "${candidate}"
+            return
+        fi
+    fi
+    if [[ -f "${SLURM_SUBMIT_DIR:-/nonexistent}/configs/webvoyager_grpo.yaml" ]]; then
+        echo "${SLURM_SUBMIT_DIR}"
+        return
+    fi
+    echo ""
+}
+RECIPE_DIR="${RECIPE_DIR:-$(find_recipe_dir)}"
+[[ -n "${RECIPE_DIR}" && -f "${RECIPE_DIR}/configs/webvoyager_grpo.yaml" ]] ||
+    die "cannot find the recipe folder (configs/webvoyager_grpo.yaml); set RECIPE_DIR=/path/to/recipe"
+
+if [[ -z "${CONFIG_ENV:-}" && ! -f "${RECIPE_DIR}/config.env" && "${MODE}" != train ]]; then
+    # A first look on a fresh clone: the shipped defaults. Training always needs a config.env of one's own.
+    CONFIG_ENV="${RECIPE_DIR}/config.env.example"
+    log "no config.env yet: using the defaults in config.env.example" >&2
+fi
+CONFIG_ENV="${CONFIG_ENV:-${RECIPE_DIR}/config.env}"
+[[ -f "${CONFIG_ENV}" ]] || die "no ${CONFIG_ENV}: cp ${RECIPE_DIR}/config.env.example ${RECIPE_DIR}/config.env and edit it"
+# shellcheck source=/dev/null  # the site's own file (config.env.example documents it)
+source "${CONFIG_ENV}"
+
+# ================================================================================================================
+# Variables (config.env sets them; the values after := are the defaults). config.env.example explains each one.
+# ================================================================================================================
+
+# ------------------------------------------------ Paths ---------------------------------------------------------
+: "${PYTHON:=}"
+if [[ -z "${PYTHON}" ]]; then
+    if [[ -x "${RECIPE_DIR}/.venv/bin/python" ]]; then PYTHON="${RECIPE_DIR}/.venv/bin/python"; else PYTHON=python3; fi
+fi
+: "${GYM_VENV:=${RECIPE_DIR}/.venv-gym}"
+: "${LOG_DIR:=${RECIPE_DIR}/logs}"
+: "${DATA_DIR:=${RECIPE_DIR}/data}"
+: "${TRAIN_FILES:=${DATA_DIR}/train.jsonl}"
+: "${VAL_FILES:=${DATA_DIR}/val.jsonl}"
+: "${MODEL_PATH:=}"
+: "${CHECKPOINT_DIR:=${RECIPE_DIR}/checkpoints}"
+
+# ------------------------------------------------ Cluster shape -------------------------------------------------
+NNODES="${SLURM_JOB_NUM_NODES:-1}"
+: "${GPUS_PER_NODE:=8}"
+: "${AGENT_WORKERS_PER_NODE:=8}"
+
+# ------------------------------------------------ GRPO ----------------------------------------------------------
+: "${ROLLOUT_N:=8}"
+: "${TRAIN_BATCH_SIZE:=32}"
+: "${PPO_MINI_BATCH_SIZE:=8}"
+: "${LR:=1e-6}"
+: "${MAX_PROMPT_LENGTH:=4096}"
+: "${MAX_RESPONSE_LENGTH:=16384}"
+: "${MAX_TOKEN_LEN_PER_GPU:=24576}"
+: "${MAX_ASSISTANT_TURNS:=12}"
+: "${ROLLOUT_TP:=2}"
+: "${ROLLOUT_GPU_MEMORY_UTILIZATION:=0.6}"
+: "${TOTAL_EPOCHS:=5}"
+
+# ------------------------------------------------ Environment servers -------------------------------------------
+: "${ENV_SERVERS_PER_NODE:=4}"
+: "${ENV_BASE_PORT:=8100}"
+: "${ENV_BACKEND:=remote_cdp}"
+: "${ENV_CPUS:=}"
+: "${ENV_MAX_SESSIONS_PER_SERVER:=64}"
+: "${ENV_STARTUP_TIMEOUT_S:=180}"
+: "${ENV_SERVER_URLS:=}"
+: "${SMOKE_TIMEOUT_S:=120}"
+
+# ------------------------------------------------ Browser episodes ----------------------------------------------
+: "${TOOL_INTERFACE:=browser}"
+: "${EPISODE_DEADLINE_S:=1800}"
+: "${MAX_ATTEMPTS:=3}"
+: "${NEMO_GYM_BROWSER_DROP_INVALID:=1}"
+
+# ------------------------------------------------ Judge ---------------------------------------------------------
+: "${JUDGE_ENABLE:=1}"
+: "${JUDGE_BASE_URL:=http://127.0.0.1:8001/v1}"
+: "${JUDGE_MODEL:=Qwen/Qwen2.5-32B-Instruct}"
+: "${JUDGE_API_KEY_ENV:=}"
+: "${JUDGE_MAX_CONCURRENCY:=16}"
+: "${JUDGE_TIMEOUT_S:=60}"
+: "${JUDGE_MAX_ATTEMPTS:=3}"
+: "${JUDGE_PROBE:=1}"
+
+# ------------------------------------------------ Ray -----------------------------------------------------------
+: "${RAY_PORT:=6379}"
+: "${RAY_HEAD_IP:=}"
+: "${RAY_HEAD_TIMEOUT_S:=120}"
+: "${RAY_WORKERS_TIMEOUT_S:=300}"
+: "${RAY_TMPDIR:=/tmp/ray-ngb-${SLURM_JOB_ID:-$$}}"
+: "${RAY_NUM_CPUS:=}"
+: "${RAY_NUM_GPUS:=}"
+: "${STOP_GRACE_S:=25}"
+
+# ------------------------------------------------ Logging -------------------------------------------------------
+: "${PROJECT_NAME:=nemo_gym_browser}"
+: "${EXPERIMENT_NAME:=webvoyager_grpo}"
+: "${LOGGER:=console}"
+: "${SAVE_FREQ:=20}"
+: "${TEST_FREQ:=10}"
+
+# ================================================================================================================
+# The hydra overrides (the recipe's own settings live in configs/webvoyager_grpo.yaml)
+# ================================================================================================================
+case "${TOOL_INTERFACE}" in
+    browser) TOOL_CONFIG="${RECIPE_DIR}/configs/browser_tool.yaml" ;;
+    native) TOOL_CONFIG="${RECIPE_DIR}/configs/browser_native_tools.yaml" ;;
+    *) die "TOOL_INTERFACE must be browser or native, not '${TOOL_INTERFACE}'" ;;
+esac
+AGENT_LOOP_CONFIG="${RECIPE_DIR}/configs/agent_loop.yaml"
+
+# A hydra quoted string: backslashes and single quotes escaped.
+hq() {
+    local value="${1//\\/\\\\}"
+    printf "'%s'" "${value//\'/\\\'}"
+}
+
+# Every node runs the same servers on the same loopback ports, so this one list is right on every node.
+server_urls() {
+    if [[ -n "${ENV_SERVER_URLS}" ]]; then
+        local url
+        for url in ${ENV_SERVER_URLS//,/ }; do echo "${url}"; done
+        return
+    fi
+    local k
+    for ((k = 0; k < ENV_SERVERS_PER_NODE; k++)); do
+        echo "http://127.0.0.1:$((ENV_BASE_PORT + k))"
+    done
+}
+
+hydra_list() {
+    local item out=""
+    while IFS= read -r item; do out+="${out:+,}$(hq "${item}")"; done
+    printf '[%s]' "${out}"
+}
+
+judge_override() {
+    local key_env=null
+    if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then key_env="$(hq "${JUDGE_API_KEY_ENV}")"; fi
+    printf '+nemo_gym_browser.judge={base_url:%s,model:%s,api_key_env:%s,max_concurrency:%s,timeout_s:%s,max_attempts:%s}' \
+        "$(hq "${JUDGE_BASE_URL}")" "$(hq "${JUDGE_MODEL}")" "${key_env}" \
+        "${JUDGE_MAX_CONCURRENCY}" "${JUDGE_TIMEOUT_S}" "${JUDGE_MAX_ATTEMPTS}"
+}
+
+OVERRIDES=(
+    "actor_rollout_ref.model.path=$(hq "${MODEL_PATH}")"
+    "data.train_files=$(hq "${TRAIN_FILES}")"
+    "data.val_files=$(hq "${VAL_FILES}")"
+    "data.train_batch_size=${TRAIN_BATCH_SIZE}"
+    "data.max_prompt_length=${MAX_PROMPT_LENGTH}"
+    "data.max_response_length=${MAX_RESPONSE_LENGTH}"
+    "actor_rollout_ref.actor.optim.lr=${LR}"
+    "actor_rollout_ref.actor.ppo_mini_batch_size=${PPO_MINI_BATCH_SIZE}"
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=${MAX_TOKEN_LEN_PER_GPU}"
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=${MAX_TOKEN_LEN_PER_GPU}"
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=${MAX_TOKEN_LEN_PER_GPU}"
+    "actor_rollout_ref.rollout.n=${ROLLOUT_N}"
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=${ROLLOUT_TP}"
+    "actor_rollout_ref.rollout.gpu_memory_utilization=${ROLLOUT_GPU_MEMORY_UTILIZATION}"
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=${MAX_ASSISTANT_TURNS}"
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path=$(hq "${TOOL_CONFIG}")"
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path=$(hq "${AGENT_LOOP_CONFIG}")"
+    "actor_rollout_ref.rollout.agent.num_workers=$((AGENT_WORKERS_PER_NODE * NNODES))"
+    "nemo_gym_browser.environment.server_urls=$(server_urls | hydra_list)"
+    "nemo_gym_browser.environment.max_sessions_per_server=${ENV_MAX_SESSIONS_PER_SERVER}"
+    "nemo_gym_browser.episode_deadline_s=${EPISODE_DEADLINE_S}"
+    "nemo_gym_browser.max_attempts=${MAX_ATTEMPTS}"
+    "trainer.nnodes=${NNODES}"
+    "trainer.n_gpus_per_node=${GPUS_PER_NODE}"
+    "trainer.project_name=$(hq "${PROJECT_NAME}")"
+    "trainer.experiment_name=$(hq "${EXPERIMENT_NAME}")"
+    "trainer.logger=[${LOGGER}]"
+    "trainer.default_local_dir=$(hq "${CHECKPOINT_DIR}/${PROJECT_NAME}/${EXPERIMENT_NAME}")"
+    "trainer.total_epochs=${TOTAL_EPOCHS}"
+    "trainer.save_freq=${SAVE_FREQ}"
+    "trainer.test_freq=${TEST_FREQ}"
+)
+if [[ "${JUDGE_ENABLE}" == 1 ]]; then OVERRIDES+=("$(judge_override)"); fi
+OVERRIDES+=("$@")
+
+MAIN_PPO=("${PYTHON}" -m verl.trainer.main_ppo --config-path="${RECIPE_DIR}/configs" --config-name=webvoyager_grpo)
+
+if [[ "${MODE}" == print-overrides ]]; then
+    printf '%s\n' "${OVERRIDES[@]}"
+    exit 0
+fi
+
+# ================================================================================================================
+# Environment of every process this job starts. Exported BEFORE `ray start`: Ray workers inherit the environment
+# of the raylet that forks them, and verl forwards only a fixed list of variables itself.
+# ================================================================================================================
+RUN_ID="${NEMO_GYM_BROWSER_RUN_ID:-${SLURM_JOB_ID:+slurm${SLURM_JOB_ID}-}$(date +%Y%m%d-%H%M%S)-$$}"
+export NEMO_GYM_BROWSER_RUN_ID="${RUN_ID}"
+# Made here, so only this shell's descendants carry it: the leak check at exit looks for it.
+NEMO_GYM_BROWSER_PROCESS_MARK="${RUN_ID}/$$/$(date +%s%N)"
+export NEMO_GYM_BROWSER_PROCESS_MARK
+export NEMO_GYM_BROWSER_DROP_INVALID        # 1: a rollout still invalid after MAX_ATTEMPTS is dropped (V1 trainer)
+# sitecustomize.py in the recipe folder installs the trainer wiring in every Python process, with or without a pip
+# install (the verl.plugins entry point does the same when the package is installed).
+export PYTHONPATH="${RECIPE_DIR}${PYTHONPATH:+:${PYTHONPATH}}"
+export HYDRA_FULL_ERROR=1
+export RAY_USAGE_STATS_ENABLED=0  # Ray would otherwise report usage to an outside server
+# A fresh token per job: Ray 2.60 turns token authentication on by default, and a token file in a home folder that
+# the nodes do not share would keep the workers out. Never printed.
+export RAY_AUTH_MODE=token
+RAY_AUTH_TOKEN="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
+export RAY_AUTH_TOKEN
+if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then export "${JUDGE_API_KEY_ENV?}"; fi
+
+RUN_DIR="${LOG_DIR}/${RUN_ID}"
+mkdir -p "${RUN_DIR}"
+STARTED=$SECONDS
+
+# ================================================================================================================
+# Processes this job starts, and stopping them
+# ================================================================================================================
+USE_SRUN=0
+if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v srun >/dev/null; then USE_SRUN=1; fi
+if ((USE_SRUN)); then
+    mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
+else
+    NODES=("$(hostname -s)")
+fi
+HEAD_NODE="${NODES[0]}"
+
+STARTED_PIDS=()
+STARTED_NAMES=()
+# Inside an srun step the task gets SIGUSR1 (srun forwards it; SIGTERM to srun would SIGKILL the step at once) and
+# turns it into SIGTERM for the real process, so servers and Ray shut down their own children in order. A stop we
+# asked for ends the step with status 0; a process that dies by itself ends it with its own status.
+# shellcheck disable=SC2016  # expanded by the remote bash
+SRUN_WRAPPER='trap '\''kill -TERM "$child" 2>/dev/null; wait "$child"; exit 0'\'' USR1; "$@" & child=$!; wait "$child"'
+
+# One task on one node. Without --exact a step gets all of the job's CPUs and GPUs on its node (Ray's raylet and
+# every worker it forks live in the step that started it); --overlap lets the steps share them; --mem=0 gives each
+# step the job's memory on the node without taking it from the others.
+SRUN_STEP=(--overlap --nodes=1 --ntasks=1 --mem=0)
+
+# launch NAME NODE LOGFILE COMMAND...: start a long-lived process on NODE in the background and remember its PID.
+launch() {
+    local name="$1" node="$2" logfile="$3"
+    shift 3
+    if ((USE_SRUN)); then
+        srun "${SRUN_STEP[@]}" --nodelist="${node}" --job-name="${name}" \
+            bash -c "${SRUN_WRAPPER}" "${name}" "$@" </dev/null >"${logfile}" 2>&1 &
+    else
+        setsid "$@" </dev/null >"${logfile}" 2>&1 &
+    fi
+    LAST_PID=$!
+    STARTED_PIDS+=("${LAST_PID}")
+    STARTED_NAMES+=("${name}")
+}
+
+# run_on NODE COMMAND...: run a short command on NODE in the foreground.
+run_on() {
+    local node="$1"
+    shift
+    if ((USE_SRUN)); then
+        srun "${SRUN_STEP[@]}" --nodelist="${node}" "$@" </dev/null
+    else
+        "$@" </dev/null
+    fi
+}
+
+alive() { kill -0 "$1" 2>/dev/null; }
+
+# bash -c "${PORTS_FREE}" name PORT...: fails (naming the port) if anything accepts connections on 127.0.0.1:PORT.
+# shellcheck disable=SC2016  # expanded by the inner bash
+PORTS_FREE='for port; do if (exec 3<>"/dev/tcp/127.0.0.1/${port}") 2>/dev/null; then echo "port ${port} in use" >&2; exit 1; fi; done'
+
+
+# MARKED <- PIDs on this node that carry this run's process mark: every descendant of this job, daemonized ones included.
+# Runs in this shell, with no helper process (a helper would carry the marker too).
+marked_pids() {
+    local dir pid entry
+    local -a environ
+    MARKED=()
+    for dir in /proc/[0-9]*; do
+        pid="${dir#/proc/}"
+        [[ "${pid}" == "$$" ]] && continue
+        mapfile -d '' -t environ 2>/dev/null <"${dir}/environ" || continue
+        for entry in "${environ[@]}"; do
+            if [[ "${entry}" == "NEMO_GYM_BROWSER_PROCESS_MARK=${NEMO_GYM_BROWSER_PROCESS_MARK}" ]]; then
+                MARKED+=("${pid}")
+                break
+            fi
+        done
+    done
+}
+
+describe_pids() {
+    local pid name out=()
+    for pid in "$@"; do
+        name="$(cat "/proc/${pid}/comm" 2>/dev/null || echo gone)"
+        out+=("${pid}(${name})")
+    done
+    echo "${out[*]}"
+}
+
+TRAINER_PID=""
+cleanup() {
+    local rc=$? i pid deadline others
+    trap - EXIT INT TERM USR1
+    set +e
+    log "cleanup: stopping ${#STARTED_PIDS[@]} process(es) started by this job (exit status ${rc})"
+    # 1. Ask each process we started to stop, newest first. Ray stops in a few seconds and the environment servers
+    #    close their browsers within 10 s; after a scancel, Slurm's KillWait (30 s by default) bounds all of this.
+    if [[ -n "${TRAINER_PID}" ]] && alive "${TRAINER_PID}"; then kill -TERM "${TRAINER_PID}"; fi
+    for ((i = ${#STARTED_PIDS[@]} - 1; i >= 0; i--)); do
+        pid="${STARTED_PIDS[i]}"
+        alive "${pid}" || continue
+        if ((USE_SRUN)); then kill -USR1 "${pid}"; else kill -TERM "${pid}"; fi
+    done
+    deadline=$((SECONDS + STOP_GRACE_S))
+    for pid in "${STARTED_PIDS[@]}" ${TRAINER_PID}; do
+        while alive "${pid}" && ((SECONDS < deadline)); do sleep 0.5; done
+    done
+    # 2. Whatever else of this run still runs here (a helper the signal interrupted, a child whose parent is gone)
+    #    is asked too, for the rest of the grace period. srun clients are left alone: SIGTERM would kill their step.
+    marked_pids
+    others=()
+    for pid in "${MARKED[@]}"; do
+        [[ " ${STARTED_PIDS[*]} " == *" ${pid} "* ]] || others+=("${pid}")
+    done
+    if ((${#others[@]})); then
+        log "cleanup: also stopping $(describe_pids "${others[@]}")"
+        kill -TERM "${others[@]}" 2>/dev/null
+    fi
+    marked_pids
+    while ((${#MARKED[@]})) && ((SECONDS < deadline)); do
+        sleep 0.5
+        marked_pids
+    done
+    # 3. Past the grace period: force.
+    for ((i = 0; i < ${#STARTED_PIDS[@]}; i++)); do
+        pid="${STARTED_PIDS[i]}"
+        if alive "${pid}"; then
+            log "cleanup: killing ${STARTED_NAMES[i]} (pid ${pid}), still running after ${STOP_GRACE_S} s"
+            if ((USE_SRUN)); then kill -TERM "${pid}"; else kill -KILL -- "-${pid}"; fi
+        fi
+    done
+    marked_pids
+    if ((${#MARKED[@]})); then
+        log "cleanup: killing $(describe_pids "${MARKED[@]}"), still running after ${STOP_GRACE_S} s"
+        kill -KILL "${MARKED[@]}" 2>/dev/null
+    fi
+    # A killed srun returns once Slurm has ended its step (KillWait): bounded, then reaped.
+    deadline=$((SECONDS + 40))
+    for pid in "${STARTED_PIDS[@]}"; do
+        while alive "${pid}" && ((SECONDS < deadline)); do sleep 0.5; done
+    done
+    wait 2>/dev/null
+    marked_pids
+    if ((${#MARKED[@]} == 0)); then
+        log "cleanup: done; no process of run ${RUN_ID} is left on ${HEAD_NODE}"
+    else
+        log "cleanup: WARNING: processes still running: $(describe_pids "${MARKED[@]}")"
+    fi
+    log "total time $((SECONDS - STARTED)) s; logs in ${RUN_DIR}"
+    exit "${rc}"
+}
+trap cleanup EXIT
+trap 'log "interrupted"; exit 130' INT
+trap 'log "terminated (job cancelled or out of time)"; exit 143' TERM USR1
+
+# ================================================================================================================
+# 1. Checks that need nothing running
+# ================================================================================================================
+log "run ${RUN_ID}: mode ${MODE}, ${NNODES} node(s) (${NODES[*]}), recipe ${RECIPE_DIR}, config ${CONFIG_ENV}"
+log "every process of this run carries NEMO_GYM_BROWSER_PROCESS_MARK=${NEMO_GYM_BROWSER_PROCESS_MARK}"
+is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
+for name in GPUS_PER_NODE AGENT_WORKERS_PER_NODE ROLLOUT_N TRAIN_BATCH_SIZE PPO_MINI_BATCH_SIZE MAX_PROMPT_LENGTH \
+    MAX_RESPONSE_LENGTH MAX_TOKEN_LEN_PER_GPU MAX_ASSISTANT_TURNS ROLLOUT_TP TOTAL_EPOCHS ENV_SERVERS_PER_NODE \
+    ENV_BASE_PORT ENV_MAX_SESSIONS_PER_SERVER ENV_STARTUP_TIMEOUT_S SMOKE_TIMEOUT_S EPISODE_DEADLINE_S MAX_ATTEMPTS \
+    JUDGE_MAX_CONCURRENCY JUDGE_TIMEOUT_S JUDGE_MAX_ATTEMPTS RAY_PORT RAY_HEAD_TIMEOUT_S RAY_WORKERS_TIMEOUT_S \
+    STOP_GRACE_S SAVE_FREQ TEST_FREQ; do
+    is_int "${!name}" || die "${name} must be a whole number, not '${!name}' (${CONFIG_ENV})"
+done
+[[ "${NEMO_GYM_BROWSER_DROP_INVALID}" =~ ^[01]$ ]] || die "NEMO_GYM_BROWSER_DROP_INVALID must be 0 or 1"
+[[ "${JUDGE_ENABLE}" =~ ^[01]$ ]] || die "JUDGE_ENABLE must be 0 or 1"
+[[ "${ENV_BACKEND}" =~ ^(remote_cdp|local_playwright)$ ]] || die "ENV_BACKEND must be remote_cdp or local_playwright"
+((ENV_SERVERS_PER_NODE >= 1 || ${#ENV_SERVER_URLS} > 0)) || die "ENV_SERVERS_PER_NODE must be at least 1"
+((MAX_TOKEN_LEN_PER_GPU >= MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)) ||
+    die "MAX_TOKEN_LEN_PER_GPU (${MAX_TOKEN_LEN_PER_GPU}) must hold one whole episode: >= MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH"
+[[ -n "${MODEL_PATH}" ]] || die "MODEL_PATH is not set (${CONFIG_ENV})"
+if [[ "${MODEL_PATH}" == /* || "${MODEL_PATH}" == .* ]]; then
+    [[ -f "${MODEL_PATH}/config.json" ]] || die "MODEL_PATH ${MODEL_PATH} has no config.json"
+else
+    log "MODEL_PATH ${MODEL_PATH} is not a local folder: every node will fetch it from the Hugging Face Hub"
+fi
+for file in "${TRAIN_FILES}" "${VAL_FILES}"; do
+    [[ -s "${file}" ]] || die "data file ${file} is missing or empty: python prepare_webvoyager_data.py --output-dir ${DATA_DIR} ..."
+done
+if [[ "${JUDGE_ENABLE}" == 1 && -n "${JUDGE_API_KEY_ENV}" && -z "${!JUDGE_API_KEY_ENV:-}" ]]; then
+    die "JUDGE_API_KEY_ENV names ${JUDGE_API_KEY_ENV}, which is not set in this environment; export it before sbatch"
+fi
+if [[ ",${LOGGER}," == *",wandb,"* && -z "${WANDB_API_KEY:-}" && "${WANDB_MODE:-}" != offline ]]; then
+    die "LOGGER has wandb but neither WANDB_API_KEY nor WANDB_MODE=offline is set"
+fi
+if [[ "${VERL_USE_EXTERNAL_PLUGINS:-auto}" == none ]]; then
+    log "note: VERL_USE_EXTERNAL_PLUGINS=none; the trainer wiring comes from sitecustomize.py on PYTHONPATH"
+fi
+command -v "${PYTHON}" >/dev/null || die "PYTHON ${PYTHON} not found"
+PYTHON="$(command -v "${PYTHON}")"
+RAY_BIN="$(dirname "${PYTHON}")/ray"
+[[ -x "${RAY_BIN}" ]] || RAY_BIN="$(command -v ray || true)"
+[[ -n "${RAY_BIN}" ]] || die "no ray command next to ${PYTHON} or on PATH"
+if [[ -z "${ENV_SERVER_URLS}" ]]; then
+    [[ -f "${GYM_VENV}/.setup-complete" ]] || die "no NeMo Gym environment at ${GYM_VENV}: bash scripts/setup_environment.sh"
+fi
+# A port something else already listens on would answer our readiness and smoke checks in place of our server.
+bash -c "${PORTS_FREE}" ports-free "${RAY_PORT}" || die "RAY_PORT ${RAY_PORT} is already in use on ${HEAD_NODE}"
+if [[ -z "${ENV_SERVER_URLS}" ]]; then
+    ports=()
+    for ((k = 0; k < ENV_SERVERS_PER_NODE; k++)); do ports+=("$((ENV_BASE_PORT + k))"); done
+    for node in "${NODES[@]}"; do
+        run_on "${node}" bash -c "${PORTS_FREE}" ports-free "${ports[@]}" ||
+            die "a port in ${ports[*]} is already in use on ${node}: choose another ENV_BASE_PORT"
+    done
+fi
+log "check: config.env, model, data files ($(wc -l <"${TRAIN_FILES}") train / $(wc -l <"${VAL_FILES}") val rows), free ports: ok"
+
+# ================================================================================================================
+# 2. The full verl config, composed with every override, then checked (no GPU, nothing started)
+# ================================================================================================================
+printf '%s\n' "${OVERRIDES[@]}" >"${RUN_DIR}/overrides.txt"
+t0=$SECONDS
+"${MAIN_PPO[@]}" "${OVERRIDES[@]}" --cfg job >"${RUN_DIR}/composed_config.yaml" 2>"${RUN_DIR}/compose.log" || {
+    tail -n 30 "${RUN_DIR}/compose.log" >&2
+    die "verl could not compose the config with these overrides (${RUN_DIR}/overrides.txt)"
+}
+log "config composed by verl.trainer.main_ppo --cfg job in $((SECONDS - t0)) s: ${RUN_DIR}/composed_config.yaml"
+preflight_args=(--config "${RUN_DIR}/composed_config.yaml")
+if [[ "${JUDGE_ENABLE}" == 1 && "${JUDGE_PROBE}" == 1 ]]; then preflight_args+=(--probe-judge); fi
+t0=$SECONDS
+"${PYTHON}" "${RECIPE_DIR}/preflight.py" "${preflight_args[@]}" || die "the composed config failed its checks (above)"
+log "config checked by preflight.py in $((SECONDS - t0)) s"
+
+# ================================================================================================================
+# 3. Environment servers on every node, then 4. a smoke episode against each, from its own node
+# ================================================================================================================
+# Browsers are CPU and memory heavy (a Chromium process tree per session) and one server keeps all its browsers in
+# one Python process, so each node runs several servers, pinned to ENV_CPUS (cores the trainer does not use).
+mapfile -t URLS < <(server_urls)
+if [[ -z "${ENV_SERVER_URLS}" ]]; then
+    env_prefix=()
+    if [[ -n "${ENV_CPUS}" ]]; then env_prefix=(taskset -c "${ENV_CPUS}"); fi
+    t0=$SECONDS
+    declare -A ENV_LOGS=()
+    for node in "${NODES[@]}"; do
+        for ((k = 0; k < ENV_SERVERS_PER_NODE; k++)); do
+            port=$((ENV_BASE_PORT + k))
+            logfile="${RUN_DIR}/env-${node}-${port}.log"
+            launch "env-${node}-${port}" "${node}" "${logfile}" "${env_prefix[@]}" "${PYTHON}" \
+                "${RECIPE_DIR}/launch_environment.py" --port "${port}" --backend "${ENV_BACKEND}" \
+                --gym-venv "${GYM_VENV}" --startup-timeout "${ENV_STARTUP_TIMEOUT_S}" --no-probe
+            ENV_LOGS["${LAST_PID}"]="${logfile}"
+        done
+    done
+    # Bounded by ENV_STARTUP_TIMEOUT_S (the launcher gives up by itself at that point, with a diagnosis) + 30 s.
+    deadline=$((SECONDS + ENV_STARTUP_TIMEOUT_S + 30))
+    for pid in "${!ENV_LOGS[@]}"; do
+        logfile="${ENV_LOGS[${pid}]}"
+        until grep -q "ready in" "${logfile}" 2>/dev/null; do
+            alive "${pid}" || { tail -n 30 "${logfile}" >&2; die "environment server exited during start-up: ${logfile}"; }
+            ((SECONDS < deadline)) || { tail -n 30 "${logfile}" >&2; die "environment server not up after ${ENV_STARTUP_TIMEOUT_S} s: ${logfile}"; }
+            sleep 1
+        done
+    done
+    log "environment servers up: ${ENV_SERVERS_PER_NODE} per node on ${#NODES[@]} node(s), 127.0.0.1 ports ${ENV_BASE_PORT}-$((ENV_BASE_PORT + ENV_SERVERS_PER_NODE - 1)), backend ${ENV_BACKEND}, in $((SECONDS - t0)) s"
+else
+    log "environment servers: using ENV_SERVER_URLS (${URLS[*]}); this job starts none"
+fi
+
+t0=$SECONDS
+smoke_pids=()
+for node in "${NODES[@]}"; do
+    logfile="${RUN_DIR}/smoke-${node}.log"
+    # One smoke per server, in turn, from the node itself: exactly the address its rollout workers will use.
+    # shellcheck disable=SC2016  # expanded by the inner bash
+    run_on "${node}" timeout "$((SMOKE_TIMEOUT_S * ${#URLS[@]} + 30))" bash -c '
+        py="$1"; script="$2"; timeout_s="$3"; shift 3
+        for url in "$@"; do
+            echo "== smoke ${url}"
+            "${py}" "${script}" --url "${url}" --timeout "${timeout_s}" || exit 1
+        done' smoke "${PYTHON}" "${RECIPE_DIR}/smoke_environment.py" "${SMOKE_TIMEOUT_S}" "${URLS[@]}" \
+        >"${logfile}" 2>&1 &
+    smoke_pids+=("$!:${node}")
+done
+for entry in "${smoke_pids[@]}"; do
+    node="${entry#*:}"
+    wait "${entry%%:*}" || { tail -n 30 "${RUN_DIR}/smoke-${node}.log" >&2; die "smoke episode failed on ${node}: ${RUN_DIR}/smoke-${node}.log"; }
+done
+log "smoke episodes walked and verified on ${#URLS[@]} server(s) x ${#NODES[@]} node(s) in $((SECONDS - t0)) s"
+
+# ================================================================================================================
+# 5. Ray: a head on this node, one worker per other node
+# ================================================================================================================
+if ((NNODES == 1)); then
+    # One node: everything on loopback. Ray replaces a loopback node address by the machine's first interface
+    # address unless it believes it runs a local-only cluster; this switch (honoured on Linux too) says so.
+    RAY_HEAD_IP=127.0.0.1
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+elif [[ -z "${RAY_HEAD_IP}" ]]; then
+    RAY_HEAD_IP="$(hostname -I | awk '{print $1}')"
+fi
+export RAY_ADDRESS="${RAY_HEAD_IP}:${RAY_PORT}"
+ray_resources=()
+if [[ -n "${RAY_NUM_CPUS}" ]]; then ray_resources+=(--num-cpus="${RAY_NUM_CPUS}"); fi
+if [[ -n "${RAY_NUM_GPUS}" ]]; then ray_resources+=(--num-gpus="${RAY_NUM_GPUS}"); fi
+# Its own temp dir: `ray start` records the cluster address there, and a default /tmp/ray would make every other
+# `ray.init()` on the node join this cluster. Kept short: Ray's socket paths live under it (108-byte limit).
+ray_common=(--block --disable-usage-stats --temp-dir="${RAY_TMPDIR}" "${ray_resources[@]}")
+
+ray_alive_nodes() {
+    timeout -k 5 30 "${RAY_BIN}" status --address="${RAY_ADDRESS}" 2>/dev/null |
+        awk '/^Active:/{a=1; next} /^(Pending|Recent failures):/{a=0} a && /node_/{n++} END{print n+0}'
+}
+
+t0=$SECONDS
+launch "ray-head" "${HEAD_NODE}" "${RUN_DIR}/ray-head.log" "${RAY_BIN}" start --head \
+    --node-ip-address="${RAY_HEAD_IP}" --port="${RAY_PORT}" --include-dashboard=false "${ray_common[@]}"
+RAY_HEAD_PID=$LAST_PID
+# A head takes 5-15 s; RAY_HEAD_TIMEOUT_S leaves room for a slow shared file system and a loaded node.
+deadline=$((SECONDS + RAY_HEAD_TIMEOUT_S))
+until (($(ray_alive_nodes) >= 1)); do
+    alive "${RAY_HEAD_PID}" || { tail -n 30 "${RUN_DIR}/ray-head.log" >&2; die "the Ray head exited: ${RUN_DIR}/ray-head.log"; }
+    ((SECONDS < deadline)) || die "the Ray head did not answer within ${RAY_HEAD_TIMEOUT_S} s: ${RUN_DIR}/ray-head.log"
+    sleep 2
+done
+log "Ray head up at ${RAY_ADDRESS}$([[ ${RAY_HEAD_IP} == 127.* ]] && echo ' (loopback)') in $((SECONDS - t0)) s"
+
+# What this run listens on (this node): with one node, all of it must be loopback.
+report_listening_sockets() {
+    command -v ss >/dev/null || return 0
+    local line pid address loopback=() other=()
+    marked_pids
+    while read -r line; do
+        address="$(awk '{print $4}' <<<"${line}")"
+        for pid in "${MARKED[@]}"; do
+            if [[ "${line}" == *"pid=${pid},"* ]]; then
+                if [[ "${address}" =~ ^(127\.|\[::ffff:127\.|\[::1\]) ]]; then loopback+=("${address}"); else other+=("${address}"); fi
+                break
+            fi
+        done
+    done < <(ss -ltnpH 2>/dev/null)
+    log "listening sockets of this run on ${HEAD_NODE}: ${#loopback[@]} on loopback, ${#other[@]} elsewhere${other[*]:+: ${other[*]}}"
+    if ((NNODES == 1 && ${#other[@]} > 0)); then log "WARNING: a single-node run listens beyond loopback"; fi
+}
+report_listening_sockets
+
+for node in "${NODES[@]:1}"; do
+    launch "ray-worker-${node}" "${node}" "${RUN_DIR}/ray-worker-${node}.log" "${RAY_BIN}" start \
+        --address="${RAY_ADDRESS}" "${ray_common[@]}"
+done
+# Workers are started in parallel; a node that has not joined after RAY_WORKERS_TIMEOUT_S is a broken node.
+deadline=$((SECONDS + RAY_WORKERS_TIMEOUT_S))
+until (($(ray_alive_nodes) >= NNODES)); do
+    ((SECONDS < deadline)) || die "only $(ray_alive_nodes) of ${NNODES} Ray nodes joined within ${RAY_WORKERS_TIMEOUT_S} s (logs: ${RUN_DIR}/ray-worker-*.log)"
+    sleep 3
+done
+log "Ray cluster: ${NNODES} of ${NNODES} node(s) joined in $((SECONDS - t0)) s"
+# Shell variables reach Ray workers only through the raylet's environment: ask a worker on every node what it sees.
+t0=$SECONDS
+"${PYTHON}" "${RECIPE_DIR}/preflight.py" --config "${RUN_DIR}/composed_config.yaml" --ray-workers ||
+    die "the Ray workers do not see the recipe's settings (above)"
+log "settings checked inside Ray workers on every node in $((SECONDS - t0)) s"
+
+if [[ "${MODE}" == dry-run ]]; then
+    log "dry run passed: config composed and checked, environment servers up and smoked, Ray cluster formed and checked (no GPU used)"
+    exit 0
+fi
+
+# ================================================================================================================
+# 6. Training
+# ================================================================================================================
+if command -v nvidia-smi >/dev/null; then
+    gpus_here="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+    ((gpus_here >= GPUS_PER_NODE)) || die "GPUS_PER_NODE=${GPUS_PER_NODE} but nvidia-smi lists ${gpus_here} GPU(s) on ${HEAD_NODE}"
+else
+    die "no nvidia-smi on ${HEAD_NODE}: training needs GPU nodes (use --dry-run for the checks alone)"
+fi
+log "training: ${MAIN_PPO[*]} (overrides: ${RUN_DIR}/overrides.txt)"
+"${MAIN_PPO[@]}" "${OVERRIDES[@]}" &
+TRAINER_PID=$!
+wait "${TRAINER_PID}"

@@ -1,0 +1,341 @@
+"""submit_webvoyager.sh's hydra overrides against verl 0.9.1's real configuration, on CPU.
+
+The overrides are taken from the script itself (``--print-overrides``), built from the shipped ``config.env.example``
+or a test copy of it, so a key the script passes that verl does not know fails here, not on a GPU reservation.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from nemo_gym_browser import preflight
+from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
+from nemo_gym_browser.testing.tokenizer import save_test_model
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "submit_webvoyager.sh"
+EXAMPLE = REPO / "config.env.example"
+CONFIG_DIR = REPO / "configs"
+
+TASKS = [
+    {"web_name": "Example", "id": f"Example--{i}", "ques": question, "web": "https://example.org/"}
+    for i, question in enumerate(
+        [
+            "What is the heading of the page?",
+            "Where does the only link on the page lead?",
+            "What does the first paragraph say?",
+            "Report the page title.",
+            "Summarise the page in one sentence.",
+            "Is there a search box on the page?",
+        ]
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def recipe_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder (in-process tokenizer, tiny Qwen2 config) and prepared data, as a user would have them."""
+    root = tmp_path_factory.mktemp("recipe_inputs")
+    save_test_model(root / "model")
+    tasks = root / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(task) + "\n" for task in TASKS))
+    assert prepare_data(["--input", str(tasks), "--output-dir", str(root / "data"), "--val-fraction", "0.34"]) == 0
+    return root
+
+
+def write_config_env(path: Path, recipe_inputs: Path, **values: str) -> Path:
+    """config.env.example with the test's model, data and sizes (and ``values``) set, the rest as shipped."""
+    settings = {
+        "MODEL_PATH": str(recipe_inputs / "model"),
+        "DATA_DIR": str(recipe_inputs / "data"),
+        "LOG_DIR": str(path.parent / "logs"),
+        "TRAIN_BATCH_SIZE": "2",
+        "PPO_MINI_BATCH_SIZE": "2",
+        "JUDGE_ENABLE": "0",
+        **values,
+    }
+    lines = []
+    for line in EXAMPLE.read_text().splitlines():
+        key = line.split("=", 1)[0]
+        lines.append(f"{key}={settings.pop(key)}" if "=" in line and key in settings else line)
+    lines += [f"{key}={value}" for key, value in settings.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def script_overrides(config_env: Path, *extra: str, env: dict[str, str] | None = None) -> list[str]:
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--config", str(config_env), "--print-overrides", *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def compose_recipe(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("webvoyager_grpo", overrides=overrides)
+
+
+def test_the_shipped_example_config_composes_through_main_ppo_with_every_recipe_setting_in_place() -> None:
+    overrides = script_overrides(EXAMPLE)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            f"--config-path={CONFIG_DIR}",
+            "--config-name=webvoyager_grpo",
+            *overrides,
+            "--cfg",
+            "job",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = OmegaConf.create(result.stdout)
+    rollout = config.actor_rollout_ref.rollout
+    assert config.algorithm.adv_estimator == "grpo_env_aware"
+    assert rollout.name == "vllm" and rollout.n == 8
+    assert rollout.multi_turn.enable is True
+    assert rollout.multi_turn.format == "hermes"
+    assert rollout.multi_turn.max_tool_response_length == 8192
+    assert rollout.multi_turn.max_parallel_calls == 1
+    assert rollout.agent.default_agent_loop == "nemo_gym_browser_agent"
+    assert rollout.agent.agent_loop_config_path == str(CONFIG_DIR / "agent_loop.yaml")
+    assert rollout.multi_turn.tool_config_path == str(CONFIG_DIR / "browser_tool.yaml")
+    assert config.data.custom_cls.path == "pkg://nemo_gym_browser.dataset"
+    assert config.data.custom_cls.name == "BrowserJSONLDataset"
+    assert config.data.return_raw_chat is True
+    assert config.trainer.use_v1 is True
+    assert config.actor_rollout_ref.model.path == "Qwen/Qwen2.5-7B-Instruct"
+    assert list(config.nemo_gym_browser.environment.server_urls) == [f"http://127.0.0.1:{8100 + k}" for k in range(4)]
+    assert "judge" in config.nemo_gym_browser  # JUDGE_ENABLE=1 in the example
+
+
+def test_a_misspelled_key_in_the_overrides_fails_to_compose(recipe_inputs: Path, tmp_path: Path) -> None:
+    overrides = script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs))
+    compose_recipe(overrides)  # the script's own list composes
+    for typo in (
+        "actor_rollout_ref.rollout.multi_turn.max_tool_respons_length=1024",
+        "nemo_gym_browser.max_attempt=2",
+        "trainer.nnode=2",
+    ):
+        with pytest.raises(ConfigCompositionException):
+            compose_recipe([*overrides, typo])
+
+
+def test_arguments_after_the_scripts_flags_are_passed_to_verl_last_and_win(recipe_inputs: Path, tmp_path: Path) -> None:
+    config_env = write_config_env(tmp_path / "config.env", recipe_inputs)
+    overrides = script_overrides(config_env, "data.train_batch_size=4", "trainer.total_epochs=1")
+    assert overrides[-2:] == ["data.train_batch_size=4", "trainer.total_epochs=1"]
+    assert "data.train_batch_size=2" in overrides  # the config.env value comes first...
+    config = compose_recipe(overrides)
+    assert config.data.train_batch_size == 4  # ...and the command line wins
+    assert config.trainer.total_epochs == 1
+
+
+def test_the_judge_is_configured_by_the_name_of_its_key_variable_never_its_value(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    config_env = write_config_env(
+        tmp_path / "config.env", recipe_inputs, JUDGE_ENABLE="1", JUDGE_API_KEY_ENV="TEST_JUDGE_KEY"
+    )
+    secret = "sk-test-secret-value-1234"
+    overrides = script_overrides(config_env, env={"TEST_JUDGE_KEY": secret})
+    assert not any(secret in line for line in overrides)
+    judge = compose_recipe(overrides).nemo_gym_browser.judge
+    assert judge.api_key_env == "TEST_JUDGE_KEY"
+    assert judge.base_url == "http://127.0.0.1:8001/v1"
+    assert judge.model == "Qwen/Qwen2.5-32B-Instruct"
+
+
+def test_servers_named_in_env_server_urls_replace_the_per_node_loopback_servers(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    urls = "http://10.1.2.3:8001, http://10.1.2.4:8001"
+    overrides = script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs, ENV_SERVER_URLS=f'"{urls}"'))
+    config = compose_recipe(overrides)
+    assert list(config.nemo_gym_browser.environment.server_urls) == ["http://10.1.2.3:8001", "http://10.1.2.4:8001"]
+
+
+def test_the_composed_recipe_passes_every_preflight_check_in_a_process_set_up_as_the_script_does(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    config = compose_recipe(script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs)))
+    composed = tmp_path / "composed_config.yaml"
+    composed.write_text(OmegaConf.to_yaml(config))
+    # The script starts preflight.py (and Ray) with the recipe folder first on PYTHONPATH.
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "preflight.py"), "--config", str(composed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("preflight: ")]
+    assert [line.split()[1:3] for line in lines[:-1]] == [["ok", f"{name}:"] for name, _ in preflight.CHECKS]
+    assert "preflight: ok   estimator: grpo_env_aware registered" in lines
+    assert any("3 train rows" in line and "3 val rows" in line for line in lines)
+    assert any("6 prompts fit 4096 tokens" in line for line in lines)
+    assert lines[-1].startswith(f"preflight: all {len(preflight.CHECKS)} checks passed")
+
+
+def test_preflight_fails_when_a_prompt_would_be_cut_to_the_prompt_length(recipe_inputs: Path, tmp_path: Path) -> None:
+    overrides = script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs, MAX_PROMPT_LENGTH="64"))
+    results = {name: (ok, detail) for name, ok, detail in preflight.run_checks(compose_recipe(overrides))}
+    ok, detail = results["prompts"]
+    assert not ok
+    assert "6 of 6 prompts exceed rollout.prompt_length=64" in detail
+
+
+def test_preflight_rejects_an_unknown_agent_loop_setting_added_on_the_command_line(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    overrides = script_overrides(
+        write_config_env(tmp_path / "config.env", recipe_inputs), "+nemo_gym_browser.retries=5"
+    )
+    results = {name: (ok, detail) for name, ok, detail in preflight.run_checks(compose_recipe(overrides))}
+    ok, detail = results["agent-loop"]
+    assert not ok
+    assert "retries" in detail
+
+
+def test_preflight_fails_when_there_are_fewer_train_rows_than_one_batch(recipe_inputs: Path, tmp_path: Path) -> None:
+    overrides = script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs, TRAIN_BATCH_SIZE="8"))
+    results = {name: (ok, detail) for name, ok, detail in preflight.run_checks(compose_recipe(overrides))}
+    assert not results["data"][0]
+    assert "3 train rows < data.train_batch_size=8" in results["data"][1]
+
+
+class _Models(http.server.BaseHTTPRequestHandler):
+    """GET /v1/models of an OpenAI-compatible server that serves ``judge-model``; records Authorization headers."""
+
+    served: ClassVar[list[str]] = ["judge-model"]
+    authorizations: ClassVar[list[str | None]] = []
+
+    def do_GET(self) -> None:
+        type(self).authorizations.append(self.headers.get("Authorization"))
+        body = json.dumps({"object": "list", "data": [{"id": name} for name in self.served]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def models_endpoint() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    _Models.authorizations = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_judge_probe_sends_the_key_from_the_named_variable_and_checks_the_served_model(
+    recipe_inputs: Path, tmp_path: Path, models_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROBE_JUDGE_KEY", "probe-secret")
+    judge_env = {"JUDGE_ENABLE": "1", "JUDGE_BASE_URL": models_endpoint, "JUDGE_API_KEY_ENV": "PROBE_JUDGE_KEY"}
+
+    config_env = write_config_env(tmp_path / "a.env", recipe_inputs, JUDGE_MODEL="judge-model", **judge_env)
+    results = {
+        name: (ok, detail)
+        for name, ok, detail in preflight.run_checks(compose_recipe(script_overrides(config_env)), probe_judge=True)
+    }
+    assert results["judge"] == (True, f"{models_endpoint} serves judge-model")
+    assert _Models.authorizations == ["Bearer probe-secret"]
+
+    config_env = write_config_env(tmp_path / "b.env", recipe_inputs, JUDGE_MODEL="other-model", **judge_env)
+    results = {
+        name: (ok, detail)
+        for name, ok, detail in preflight.run_checks(compose_recipe(script_overrides(config_env)), probe_judge=True)
+    }
+    assert not results["judge"][0]
+    assert "not 'other-model'" in results["judge"][1]
+
+
+def test_config_env_example_documents_every_variable_the_script_reads_and_nothing_else() -> None:
+    script = SCRIPT.read_text()
+    read = set(re.findall(r'^: "\$\{([A-Z_]+):=', script, flags=re.MULTILINE))
+    documented = set(re.findall(r"^([A-Z_]+)=", EXAMPLE.read_text(), flags=re.MULTILINE))
+    assert read, "the script's variables block was not found"
+    assert read - documented == set(), "read by the script but missing from config.env.example"
+    assert documented - read == set(), "in config.env.example but never read by the script"
+
+
+def test_a_missing_config_env_stops_the_script_with_the_copy_command(tmp_path: Path) -> None:
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--config", str(tmp_path / "absent.env"), "--print-overrides"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "cp " in result.stderr and "config.env.example" in result.stderr
+
+
+def test_shellcheck_finds_nothing_in_the_recipes_shell_scripts() -> None:
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is not installed (scripts/test.sh installs it: apt-get install shellcheck)"
+    scripts = [SCRIPT, REPO / "scripts" / "setup_slurm.sh"]
+    result = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout
+
+
+def test_a_dry_run_stops_before_starting_anything_when_the_ray_port_is_taken(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config_env = write_config_env(
+            tmp_path / "config.env",
+            recipe_inputs,
+            RAY_PORT=str(port),
+            ENV_SERVER_URLS="http://127.0.0.1:9",  # servers of one's own: nothing to set up for them
+        )
+        result = subprocess.run(
+            ["bash", str(SCRIPT), "--config", str(config_env), "--dry-run"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={key: value for key, value in os.environ.items() if not key.startswith("SLURM_")},
+        )
+    assert result.returncode == 1
+    assert f"RAY_PORT {port} is already in use" in result.stderr
+    assert "cleanup: stopping 0 process(es)" in result.stdout
+    assert "config composed" not in result.stdout  # it failed fast, before the expensive steps

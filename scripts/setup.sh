@@ -19,7 +19,7 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
 stamp="$VENV/.nemo-gym-browser-setup"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" 2>/dev/null | sha256sum | cut -d' ' -f1) $TORCH_SPEC"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha256sum | cut -d' ' -f1) $TORCH_SPEC"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$VENV/bin/python" -c "import verl, nemo_gym_browser" 2>/dev/null; then
     echo "setup: $VENV is up to date"
     exit 0
@@ -29,12 +29,8 @@ if [[ "$TORCH_SPEC" != "skip" ]]; then
     echo "setup: installing $TORCH_SPEC"
     "${PIP[@]}" install -q "$TORCH_SPEC"
 fi
-constraints=()
-if [[ -f "$ROOT/constraints.txt" ]]; then
-    constraints=(-c "$ROOT/constraints.txt")
-fi
-echo "setup: installing the recipe (editable) with verl[verl-core]==0.9.1 and the test tools"
-"${PIP[@]}" install -q "${constraints[@]}" -e "${ROOT}[test]"
+echo "setup: installing the recipe (editable) with verl[verl-core]==0.9.1, the test and benchmark tools"
+"${PIP[@]}" install -q -c "$ROOT/constraints.txt" -e "${ROOT}[test,bench]"
 
 "$VENV/bin/python" - "$ROOT/REQUIRED_VERL.txt" <<'PY'
 import sys

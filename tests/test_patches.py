@@ -347,44 +347,6 @@ def test_the_import_hook_patches_each_module_once_and_logs_once_per_module():
 # AgentLoopWorkerTQ._agent_loop_postprocess. Only the surrounding fit loop (GPU workers) is not run.
 
 
-@pytest.fixture(scope="module")
-def tq():
-    """A private local Ray instance with TransferQueue on it, kept on 127.0.0.1.
-
-    Ray replaces a loopback node address with the machine's outward address unless its cluster mode is off
-    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at import by Ray's own processes; the driver imported Ray
-    already, hence the constant is set too).
-    """
-    import ray
-    import ray._private.ray_constants as ray_constants
-    import transfer_queue
-
-    assert not ray.is_initialized()
-    saved = (os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER)
-    os.environ[LOOPBACK_ONLY_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(
-            address="local",  # a new private instance, never a cluster someone else started on this machine
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        assert ray.util.get_node_ip_address() == "127.0.0.1"
-        transfer_queue.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-        yield transfer_queue
-    finally:
-        transfer_queue.close()
-        ray.shutdown()
-        if saved[0] is None:
-            os.environ.pop(LOOPBACK_ONLY_ENV, None)
-        else:
-            os.environ[LOOPBACK_ONLY_ENV] = saved[0]
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
-
-
 def agent_loop_worker():
     """verl's AgentLoopWorkerTQ without its Ray actor and servers: only what _agent_loop_postprocess touches."""
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ

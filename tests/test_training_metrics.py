@@ -15,12 +15,10 @@ workers (balancing across data-parallel ranks, actor update) are not run.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
@@ -42,7 +40,6 @@ from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironm
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 ABOUT = {"url_contains": "about.html"}
-LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 ROLLOUT_TIMEOUT_S = 120
 # The step every flagged batch below must report: one clean sample, one still failing after both attempts, one
 # recovered on its second attempt (every failure a 503 from the environment).
@@ -200,44 +197,6 @@ def test_the_legacy_fit_loop_builds_its_step_metrics_with_the_wired_name():
 
 # ---------------------------------------------------------------------------------------------------------------
 # V1 trainer (PPOTrainer.fit): real trainer object, real worker, real TransferQueue and replay buffer.
-
-
-@pytest.fixture(scope="module")
-def tq():
-    """A private local Ray instance with TransferQueue on it, kept on 127.0.0.1 (as in test_patches.py).
-
-    Ray replaces a loopback node address with the machine's outward address unless its cluster mode is off
-    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at import by Ray's own processes; the driver imported Ray
-    already, hence the constant is set too).
-    """
-    import ray
-    import ray._private.ray_constants as ray_constants
-    import transfer_queue
-
-    assert not ray.is_initialized()
-    saved = (os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER)
-    os.environ[LOOPBACK_ONLY_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(
-            address="local",  # a new private instance, never a cluster someone else started on this machine
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        assert ray.util.get_node_ip_address() == "127.0.0.1"
-        transfer_queue.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-        yield transfer_queue
-    finally:
-        transfer_queue.close()
-        ray.shutdown()
-        if saved[0] is None:
-            os.environ.pop(LOOPBACK_ONLY_ENV, None)
-        else:
-            os.environ[LOOPBACK_ONLY_ENV] = saved[0]
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 
 class InProcessRollout:

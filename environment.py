@@ -36,6 +36,7 @@ Retries
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import json
@@ -71,6 +72,8 @@ _BROWSER_GONE_MARKERS = (
 # observe takes no argument, so a failed observe can only be the browser's fault.
 _OBSERVE_FAILED_PREFIX = "observe failed:"
 _VERIFY_SESSION_NOT_FOUND = "session not found"
+# Longest pause between two tries of a close answered 5xx (they go on for close_timeout_s in all).
+_CLOSE_BACKOFF_CAP_S = 2.0
 
 
 class FailureKind(str, enum.Enum):
@@ -300,20 +303,25 @@ class EnvironmentClient:
         return self._connector
 
     async def _acquire_server(self) -> _Server:
+        """The server for a new session: the healthy one with the fewest sessions in flight, waiting for a free slot.
+
+        Servers out of rotation get a session only when no server is healthy (which probes them back in).
+        """
         if self._capacity is None:
             self._capacity = asyncio.Condition()
         async with self._capacity:
             while True:
                 now = time.monotonic()
-                candidates = [s for s in self._servers if s.outstanding < self.config.max_sessions_per_server]
-                healthy = [s for s in candidates if s.available(now)]
-                # A server past its cool-down is probed simply by sending it the next session.
-                pool = healthy or candidates
+                healthy = [s for s in self._servers if s.available(now)]
+                pool = [s for s in (healthy or self._servers) if s.outstanding < self.config.max_sessions_per_server]
                 if pool:
                     server = min(pool, key=lambda s: (s.outstanding, s.down_until))
                     server.outstanding += 1
                     return server
-                await self._capacity.wait()
+                # Wake on a released slot, or when a server's cool-down ends.
+                cooling = [s.down_until - now for s in self._servers if not s.available(now)]
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._capacity.wait(), min(cooling) if cooling else None)
 
     async def _release_server(self, server: _Server) -> None:
         assert self._capacity is not None
@@ -515,19 +523,24 @@ class BrowserSession:
         self.events.append("close")
         body = _CloseRequest(resources_session_id=self.session_id, episode_id=self._episode).model_dump()
         try:
-            # Closing is idempotent, so a 5xx is retried too: a close given up on leaves a browser open for good.
-            for attempt in range(1 + self._config.transient_retries):
+            # Closing is idempotent, so a 5xx is retried too, for up to close_timeout_s in all: the server has no
+            # TTL, so a close given up on leaves its browser open for good.
+            give_up_at = time.monotonic() + self._config.close_timeout_s
+            attempt = 0
+            while True:
                 try:
                     status, payload = await self._post(
                         "/close_session",
                         body,
-                        timeout_s=self._config.close_timeout_s,
+                        timeout_s=max(0.1, min(self._config.close_timeout_s, give_up_at - time.monotonic())),
                         retry=True,
                         call_kind=FailureKind.SERVER_ERROR,
                     )
                 except EnvironmentFailure as failure:
-                    if failure.kind is FailureKind.SERVER_ERROR and attempt < self._config.transient_retries:
-                        await asyncio.sleep(self._config.retry_backoff_s * (2**attempt))
+                    pause = min(self._config.retry_backoff_s * (2**attempt), _CLOSE_BACKOFF_CAP_S)
+                    attempt += 1
+                    if failure.kind is FailureKind.SERVER_ERROR and time.monotonic() + pause < give_up_at:
+                        await asyncio.sleep(pause)
                         continue
                     logger.warning("session %s: close failed, the browser may stay open: %s", self.session_id, failure)
                     break

@@ -1,0 +1,129 @@
+"""Chaos: many rollouts of the real agent loop while the environment fails in every way we know, then the score.
+
+Two targets, each run through ``testing/chaos_harness.py``:
+
+* ``fake``: several in-process fake ``interactive_browser`` servers (scale: hundreds of rollouts, 64 sessions per
+  server at once), faults injected by the fakes themselves;
+* ``real``: the real NeMo Gym 0.7.0 server with Chromium (``launch_environment.LocalEnvironment``, needs
+  ``bash scripts/setup_environment.sh``) behind the loopback fault proxy ``testing/fault_proxy.py``; the kill
+  phase really stops the server and its Chromium and starts new ones on the same port.
+
+Each target runs three phases: (1) every rollout gets one cause for its first attempt, all at once: a targeted
+infrastructure fault (5xx, a hang past the per-call timeout, a dropped connection, a lost session, a failed
+seed, a verify that cannot grade, a judge that stops answering) or a policy outcome (clean walk, wrong answer,
+bad element id, arguments the server rejects, its own URL failing to load, a URL the guard refuses, no answer,
+out of turns, out of time, a judged task); (2) a server killed and restarted while the phase's sessions are open;
+(3) a burst of 503s on every call one server gets for a while.
+
+Printed per target: the confusion matrix of injected cause vs recorded classification of the first attempt, the
+sessions left open on the servers afterwards, the longest attempt against deadline + one per-call timeout, the
+share of rollout slots that still produced a valid sample, and each target met or missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from nemo_gym_browser.testing.benchmarking import header
+from nemo_gym_browser.testing.chaos_harness import (
+    REAL_SERVER_SETTINGS,
+    ChaosReport,
+    ChaosSettings,
+    FakeBackend,
+    local_environment_backend,
+    run_chaos,
+)
+
+EXAMPLES = """\
+examples:
+  python bench/chaos.py                                  # fake (4 servers, 512 + 2x64 rollouts), then real
+  python bench/chaos.py --target fake --servers 8 --rollouts 1024
+  python bench/chaos.py --target real --real-rollouts 34 --real-phase-rollouts 6
+
+exit codes: 0 every target met, 1 a target missed, 2 usage error
+"""
+
+
+async def run_fake(args: argparse.Namespace) -> ChaosReport:
+    # Hundreds of rollouts and the fake servers share one event loop here: its lag under load is tenths of a
+    # second, so per-call timeouts and the deadline are kept well above it.
+    settings = ChaosSettings(
+        call_timeout_s=2.0,
+        episode_deadline_s=6.0,
+        max_sessions_per_server=args.sessions_per_server,
+    )
+    async with FakeBackend(args.servers, latency_s=args.latency_ms / 1000) as backend:
+        return await run_chaos(
+            backend,
+            settings,
+            target=f"fake: {args.servers} servers, {args.latency_ms:g} ms per call",
+            targeted_rollouts=args.rollouts,
+            phase_rollouts=args.phase_rollouts,
+        )
+
+
+async def run_real_target(args: argparse.Namespace) -> ChaosReport:
+    async with local_environment_backend() as backend:
+        return await run_chaos(
+            backend,
+            REAL_SERVER_SETTINGS,
+            target="real: nemo-gym 0.7.0 interactive_browser + Chromium behind the fault proxy",
+            targeted_rollouts=args.real_rollouts,
+            phase_rollouts=args.real_phase_rollouts,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chaos.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--target", choices=("fake", "real", "both"), default="both")
+    parser.add_argument("--servers", type=int, default=4, help="fake servers (default 4)")
+    parser.add_argument("--sessions-per-server", type=int, default=64, help="client cap per fake server (64)")
+    parser.add_argument("--rollouts", type=int, default=512, help="fake: rollouts of the targeted phase (512)")
+    parser.add_argument("--phase-rollouts", type=int, default=64, help="fake: rollouts per server-wide phase (64)")
+    parser.add_argument("--latency-ms", type=float, default=10.0, help="fake: delay per call (default 10)")
+    parser.add_argument("--real-rollouts", type=int, default=34, help="real: rollouts of the targeted phase (34)")
+    parser.add_argument("--real-phase-rollouts", type=int, default=6, help="real: rollouts per server-wide phase")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the recipe's warnings")
+    return parser
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through the backends' finally blocks: servers and Chromium are stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.servers < 1 or min(args.rollouts, args.real_rollouts) < 1 or args.sessions_per_server < 1:
+        print("chaos.py: error: --servers, --sessions-per-server and the rollout counts must be >= 1", file=sys.stderr)
+        return 2
+    if min(args.phase_rollouts, args.real_phase_rollouts, args.latency_ms) < 0:
+        print("chaos.py: error: phase rollouts and latency must not be negative", file=sys.stderr)
+        return 2
+    # verl installs its own root handler on import, so quiet the recipe's loggers rather than the root.
+    logging.getLogger("nemo_gym_browser").setLevel(logging.WARNING if args.verbose else logging.CRITICAL)
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = time.monotonic()
+    print(header("chaos: who gets blamed when the environment fails"))
+    reports = []
+    if args.target in ("fake", "both"):
+        reports.append(asyncio.run(run_fake(args)))
+        print(reports[-1].format(), flush=True)
+    if args.target in ("real", "both"):
+        reports.append(asyncio.run(run_real_target(args)))
+        print(reports[-1].format(), flush=True)
+    print(f"done in {time.monotonic() - started:.0f} s")
+    return 0 if all(ok for report in reports for _, ok in report.targets()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

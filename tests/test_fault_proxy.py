@@ -1,0 +1,164 @@
+"""The loopback fault proxy forwards the interactive_browser contract untouched and fails it on demand.
+
+Driven with the recipe's own environment client through the proxy, in front of the fake server, so each fault is
+asserted both as the client classifies it and as the server behind the proxy saw it (or did not).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+
+import aiohttp
+import pytest
+
+from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure, FailureKind
+from nemo_gym_browser.testing.fake_environment import COOKIE_NAME, FakeEnvironmentServer
+from nemo_gym_browser.testing.fault_proxy import FaultProxy, ProxyFault, session_id_from_cookie
+
+ABOUT = {"url_contains": "about.html"}
+_rollouts = itertools.count()
+
+
+@pytest.fixture
+async def fake():
+    async with FakeEnvironmentServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def proxy(fake):
+    async with FaultProxy(fake.url, upstream_timeout_s=10) as front:
+        yield front
+
+
+@pytest.fixture
+async def client(proxy):
+    config = EnvironmentConfig(
+        server_urls=(proxy.url,), call_timeout_s=0.5, seed_timeout_s=2, close_timeout_s=2, retry_backoff_s=0.01
+    )
+    async with EnvironmentClient(config) as env:
+        yield env
+
+
+def session(client):
+    return client.session(
+        rollout_id=f"proxy-{next(_rollouts)}",
+        attempt=1,
+        task_id="t",
+        initial_url="site/index.html",
+        verifier_metadata=ABOUT,
+    )
+
+
+def faulting(endpoint: str, fault: ProxyFault):
+    return lambda request: fault if request.endpoint == endpoint else None
+
+
+async def test_a_whole_episode_passes_through_with_its_session_cookie_and_is_tracked_until_verified(
+    proxy, fake, client
+):
+    async with session(client) as s:
+        observation = (await s.observe()).observation
+        assert proxy.open_session_ids == (s.session_id,)
+        await s.click(1)
+        assert (await s.finish("x")).done
+        assert (await s.verify()).reward == 1.0
+        assert proxy.open_session_ids == ()
+
+    assert "TITLE: Home" in observation
+    assert fake.events(s.session_id) == ["seed", "observe", "click", "finish", "verify", "close"]
+    assert [entry.request.session_id for entry in proxy.log] == [s.session_id] * 6
+    assert fake.open_sessions == 0
+
+
+async def test_a_5xx_fault_is_answered_by_the_proxy_and_never_reaches_the_server(proxy, fake, client):
+    proxy.set_rule(faulting("browser_click", ProxyFault.status_code(503)))
+
+    async with session(client) as s:
+        await s.observe()
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.click(1)
+
+    assert failure.value.kind is FailureKind.SERVER_ERROR and "HTTP 503" in failure.value.reason
+    assert fake.calls("browser_click") == 0
+    assert [e.fault for e in proxy.log if e.request.endpoint == "browser_click"] == ["status"]
+    assert fake.open_sessions == 0
+
+
+async def test_a_dropped_connection_is_unreachable_and_the_request_is_not_forwarded(proxy, fake, client):
+    proxy.set_rule(faulting("browser_click", ProxyFault.drop()))
+
+    async with session(client) as s:
+        await s.observe()
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.click(1)
+
+    assert failure.value.kind is FailureKind.UNREACHABLE
+    assert fake.calls("browser_click") == 0
+    assert proxy.log[-2].request.endpoint == "browser_click" and proxy.log[-2].status is None
+
+
+async def test_a_hang_is_cut_by_the_client_timeout_and_never_forwarded(proxy, fake, client):
+    proxy.set_rule(faulting("browser_click", ProxyFault.hang()))
+
+    async with session(client) as s:
+        await s.observe()
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.click(1)
+
+    assert failure.value.kind is FailureKind.TIMEOUT
+    assert fake.calls("browser_click") == 0
+    assert fake.open_sessions == 0  # the close after the hang went through
+
+
+async def test_a_lost_session_is_reported_as_such_and_the_typed_close_still_releases_the_browser(proxy, fake, client):
+    proxy.set_rule(faulting("browser_click", ProxyFault.lose_session()))
+
+    async with session(client) as s:
+        await s.observe()
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.click(1)
+
+    assert failure.value.kind is FailureKind.SESSION_LOST
+    assert fake.open_sessions == 0 and proxy.open_session_ids == ()
+    assert fake.events(s.session_id)[-1] == "close"
+
+
+async def test_a_stopped_proxy_refuses_connections_and_serves_again_on_the_same_port_after_start(proxy, client):
+    port = proxy.port
+    await proxy.stop()
+    with pytest.raises(EnvironmentFailure) as failure:
+        async with session(client):
+            pass
+    await proxy.start()
+    async with session(client) as s:
+        result = await s.observe()
+
+    assert failure.value.kind is FailureKind.UNREACHABLE
+    assert proxy.port == port and result.error is None
+
+
+async def test_a_dead_upstream_answers_bad_gateway(fake, proxy):
+    await fake.stop()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy.url}/browser_observe", json={}, timeout=aiohttp.ClientTimeout(total=5)) as r:
+            status = r.status
+    assert status == 502
+
+
+def test_session_ids_are_read_from_the_fake_cookie_and_from_a_starlette_signed_cookie():
+    payload = base64.b64encode(json.dumps({"session_id": "r7-abc.1.0"}).encode()).decode()
+    starlette = f"{COOKIE_NAME}={payload}.ZmFrZQ.c2lnbmF0dXJl"
+
+    assert session_id_from_cookie(starlette) == "r7-abc.1.0"
+    assert session_id_from_cookie(f"{COOKIE_NAME}=not-base64") is None
+    assert session_id_from_cookie(None) is None
+
+
+async def test_the_fake_servers_own_cookie_carries_the_session_id_the_proxy_reads(fake, proxy, client):
+    async with session(client) as s:
+        await s.observe()
+    observe = next(e for e in proxy.log if e.request.endpoint == "browser_observe")
+    assert observe.request.session_id == s.session_id

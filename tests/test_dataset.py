@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,9 +27,10 @@ from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser.dataset import AGENT_NAME, EPISODE_TOOLS, BrowserJSONLDataset, RowError
 from nemo_gym_browser.environment import TOOL_NAMES
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.testing.webvoyager import webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
-WEBVOYAGER = Path(os.environ.get("WEBVOYAGER_DATA_DIR", REPO.parent / "shared" / "data" / "webvoyager"))
+WEBVOYAGER = webvoyager_dir()
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,10 @@ import pytest
 
 from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser.environment import TOOL_NAMES
+from nemo_gym_browser.testing.webvoyager import webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
-WEBVOYAGER = Path(os.environ.get("WEBVOYAGER_DATA_DIR", REPO.parent / "shared" / "data" / "webvoyager"))
+WEBVOYAGER = webvoyager_dir()
 TASKS_FILE = WEBVOYAGER / "WebVoyager_data.jsonl"
 ANSWERS_FILE = WEBVOYAGER / "reference_answer.json"
 # A fixed "today" keeps the stale-date figures stable; every dated WebVoyager task before 2050 is past by then.

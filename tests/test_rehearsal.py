@@ -27,5 +27,5 @@ def test_the_rehearsal_rolls_out_real_episodes_and_prints_advantages_that_match_
     assert "OK: the table matches the estimator's contract" in out
     assert "sessions left open on the server: 0" in out
     # The lone valid survivor of a group is what stock GRPO rewards for nothing; the recipe gives it 0.
-    home = [line for line in out.splitlines() if line.startswith("bundled--home   0")]
-    assert home and home[0].split()[-2:] == ["+0.000", "+1.500"]
+    home = [line.split() for line in out.splitlines() if line.split()[:2] == ["bundled--home", "0"]]
+    assert len(home) == 1 and home[0][-2:] == ["+0.000", "+1.500"], out

@@ -49,3 +49,45 @@ def tq():
         else:
             os.environ[LOOPBACK_ONLY_ENV] = saved[0]
         ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
+
+# ----- the agent-loop tests' shared parts: verl's composed config, the recipe's tools, a tokenizer, a fake server
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+
+    return build_test_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def trainer_config():
+    from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config
+
+    return compose_trainer_config()
+
+
+@pytest.fixture(scope="module")
+def tools():
+    from nemo_gym_browser.testing.agent_loop_harness import load_tools
+
+    return load_tools()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from nemo_gym_browser.testing.tokenizer import save_test_model
+
+    return save_test_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+async def server():
+    """A fake environment server; the loop's shared environment clients are closed after it."""
+    from nemo_gym_browser.browser_agent_loop import close_shared_clients
+    from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+
+    async with FakeEnvironmentServer() as fake:
+        yield fake
+    await close_shared_clients()

@@ -16,11 +16,10 @@ import time
 import pytest
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
-from nemo_gym_browser.browser_agent_loop import DROP_INVALID_ENV, close_shared_clients
+from nemo_gym_browser.browser_agent_loop import DROP_INVALID_ENV
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
 from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer, Fault
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 ABOUT = {"url_contains": "about.html"}
@@ -36,28 +35,6 @@ FAST_ENV = {
     "retry_backoff_s": 0.01,
     "server_cooldown_s": 0.5,
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def trainer_config():
-    return compose_trainer_config()
-
-
-@pytest.fixture(scope="module")
-def tools():
-    return load_tools()
-
-
-@pytest.fixture
-async def server():
-    async with FakeEnvironmentServer() as fake:
-        yield fake
-    await close_shared_clients()
 
 
 class Harness:

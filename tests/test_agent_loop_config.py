@@ -32,19 +32,8 @@ from nemo_gym_browser.testing.agent_loop_harness import (
     load_tools,
     make_row,
 )
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 URLS = {"server_urls": ["http://127.0.0.1:1"]}  # never contacted: these tests only build loops
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tools():
-    return load_tools()
 
 
 @functools.lru_cache(maxsize=1)

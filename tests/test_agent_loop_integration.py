@@ -15,18 +15,12 @@ from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.launch_environment import LocalEnvironment
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 pytestmark = pytest.mark.integration
 
 # Real page loads and a real browser: generous but bounded.
 ENVIRONMENT = {"call_timeout_s": 30.0, "seed_timeout_s": 60.0, "verify_timeout_s": 30.0, "close_timeout_s": 15.0}
 WALK = sp.walk_and_finish("About", "founded in 1999")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
 
 
 def loop_for(tokenizer, script, server_urls, **settings):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.judge import BinaryJudge, JudgeConfig
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 
 SAMPLING = {"temperature": 1.0}
 OPEN_ENDED = make_row(
@@ -19,26 +16,9 @@ OPEN_ENDED = make_row(
 WALK = sp.walk_and_finish("About", "The code is ALPHA-42")
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def trainer_config():
-    return compose_trainer_config()
-
-
-@pytest.fixture(scope="module")
-def tools():
-    return load_tools()
-
-
 @pytest.fixture
-async def env():
-    async with FakeEnvironmentServer() as fake:
-        yield fake
-    await close_shared_clients()
+def env(server):
+    return server
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from verl.trainer.ppo.reward import extract_reward
 from verl.trainer.ppo.v1 import agent_loop_tq
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
-from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.episode_metrics import episode_metrics, metrics_from_columns
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import (
@@ -28,24 +27,11 @@ from nemo_gym_browser.testing.agent_loop_harness import (
     compose_trainer_config,
     load_tools,
     make_row,
-    save_test_model,
 )
-from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer, Fault
+from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, Fault
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 ABOUT = {"url_contains": "about.html"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_test_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-async def server():
-    async with FakeEnvironmentServer() as fake:
-        yield fake
-    await close_shared_clients()
 
 
 def batch_of(rows: list[dict], uid: str = "group-1") -> DataProto:

@@ -32,11 +32,10 @@ from verl.trainer.ppo.v1.utils import MetricsAggregator
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from nemo_gym_browser import patches
-from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.episode_metrics import FAILURE_KINDS, FLAG_KEYS, episode_metrics, metrics_from_columns
 from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config, make_row, save_test_model
-from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer, Fault
+from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config, make_row
+from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, Fault
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 ABOUT = {"url_contains": "about.html"}
@@ -63,18 +62,6 @@ EXPECTED = {
 @pytest.fixture(scope="module", autouse=True)
 def installed():
     assert patches.install() is True
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_test_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-async def server():
-    async with FakeEnvironmentServer() as fake:
-        yield fake
-    await close_shared_clients()
 
 
 def scripted_group(server, tokenizer) -> sp.ScriptedPolicy:

@@ -21,7 +21,6 @@ import contextlib
 import io
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -100,6 +99,7 @@ def marker(task_id: str, sample: int) -> str:
 
 def fault_rule(plans: dict[int, SamplePlan]) -> Any:
     """A proxy rule that breaks the planned endpoint of the planned attempts of the planned samples."""
+    from nemo_gym_browser.testing.chaos_harness import parse_session_id
     from nemo_gym_browser.testing.fault_proxy import ProxyFault
 
     faults = {
@@ -109,11 +109,10 @@ def fault_rule(plans: dict[int, SamplePlan]) -> Any:
     }
 
     def rule(request: Any) -> Any:
-        # The loop names sessions "r<row index>-<hex>.<attempt>.<n>" (browser_agent_loop.py, environment.py).
-        match = re.match(r"^r(\d+)-[0-9a-f]+\.(\d+)\.\d+$", request.session_id or "")
-        if match is None:
+        parsed = parse_session_id(request.session_id)
+        if parsed is None:
             return None
-        index, attempt = int(match[1]), int(match[2])
+        index, attempt = parsed
         plan = plans.get(index)
         if plan and plan.fault == request.endpoint and attempt in plan.fault_attempts:
             return faults[request.endpoint]

@@ -1,13 +1,16 @@
-"""Interpreter start-up hook: every Python process whose path holds this folder gets the recipe's trainer wiring.
+"""Interpreter start-up hook: every Python process whose path holds this folder gets the recipe and its wiring.
 
 Ray workers are separate processes, so patching verl in the driver is not enough. Python imports the first
 ``sitecustomize`` on ``sys.path`` at start-up; with this folder on ``PYTHONPATH`` that is this file, which
 
-1. unless ``NEMO_GYM_BROWSER_PATCHES=0``, installs ``nemo_gym_browser.patches.install_on_import()``: an import hook
+1. loads this folder as the ``nemo_gym_browser`` package by file path (its modules import each other relatively),
+   so a plain checkout on ``PYTHONPATH`` works with or without a pip install: ``pkg://nemo_gym_browser.dataset``
+   and the agent loop's ``_target_`` resolve in every process. This happens whatever ``NEMO_GYM_BROWSER_PATCHES``
+   says: that switch is about the trainer wiring, not about finding the recipe;
+2. unless ``NEMO_GYM_BROWSER_PATCHES=0``, installs ``nemo_gym_browser.patches.install_on_import()``: an import hook
    that patches verl's trainer modules when (and if) they are imported. Nothing heavy is imported here: no torch,
-   no verl, no numpy. This folder is loaded as the ``nemo_gym_browser`` package by file path (its modules import
-   each other relatively), so a plain checkout on ``PYTHONPATH`` works with or without a pip install;
-2. then runs the ``sitecustomize`` this file shadows (the next one on ``sys.path``), if any, so a site's own
+   no verl, no numpy;
+3. then runs the ``sitecustomize`` this file shadows (the next one on ``sys.path``), if any, so a site's own
    start-up code keeps working. It stays reachable as ``sitecustomize.chained``.
 
 A failure to install is reported on stderr and does not stop the interpreter; a verl whose trainer functions are
@@ -60,10 +63,14 @@ def _import_package() -> ModuleType:
 
 
 def _install() -> None:
+    try:
+        _import_package()
+    except Exception:
+        sys.stderr.write(f"{PACKAGE} sitecustomize: could not load the package:\n{traceback.format_exc()}")
+        return
     if not _enabled():
         return
     try:
-        _import_package()
         importlib.import_module(f"{PACKAGE}.patches").install_on_import()
     except Exception:
         sys.stderr.write(f"{PACKAGE} sitecustomize: could not install the trainer wiring:\n{traceback.format_exc()}")

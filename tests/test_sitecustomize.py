@@ -135,11 +135,12 @@ def test_sitecustomize_runs_the_sitecustomize_it_shadows_exactly_once(tmp_path):
     assert state["heavy"] == []
 
 
-def test_switch_turns_the_wiring_off_but_still_runs_the_shadowed_sitecustomize(tmp_path):
+def test_switch_turns_the_wiring_off_but_still_loads_the_package_and_runs_the_shadowed_sitecustomize(tmp_path):
     folder, hooks = recipe_folder(tmp_path), other_sitecustomize(tmp_path)
     state = run_python(STARTUP_STATE_SCRIPT, pythonpath=[folder, hooks], NEMO_GYM_BROWSER_PATCHES="0")
     assert state["hook"] is False
-    assert state["package_loaded"] is False
+    assert state["package_loaded"] is True
+    assert state["heavy"] == []
     assert state["chained_mark"] == "site"
     assert state["runs"] == "1"
 
@@ -182,3 +183,50 @@ def test_verl_plugins_entry_point_installs_the_wiring_when_verl_is_imported(tmp_
             "verl.trainer.ppo.v1.utils",
             "verl.trainer.ppo.v1.trainer_base",
         ]
+
+
+# A checkout on PYTHONPATH without a pip install: the editable finder of this machine's install is taken out first,
+# so only what sitecustomize set up at start-up can make the package importable.
+UNINSTALLED_RESOLVE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import get_dataset_class
+
+    entry = OmegaConf.load(sys.argv[1])[0]
+    loop_class = get_class(entry["_target_"])
+    data = OmegaConf.load(sys.argv[2]).data
+    dataset_class = get_dataset_class(data)
+    from verl.trainer.ppo import ray_trainer
+    print(json.dumps({
+        "loop": f"{loop_class.__module__}.{loop_class.__qualname__}",
+        "loop_file": sys.modules[loop_class.__module__].__file__,
+        "dataset": f"{dataset_class.__module__}.{dataset_class.__qualname__}",
+        "dataset_file": sys.modules[dataset_class.__module__].__file__,
+        "hook": any(getattr(f, "nemo_gym_browser_post_import_hook", False) for f in sys.meta_path),
+        "legacy_wrapper_file": ray_trainer.compute_advantage.__code__.co_filename,
+    }))
+    """
+)
+
+
+def test_the_patch_switch_off_still_lets_every_process_resolve_the_dataset_and_agent_loop_of_the_recipe(tmp_path):
+    folder = recipe_folder(tmp_path)
+    configs = ROOT / "configs"
+    state = run_python(
+        UNINSTALLED_RESOLVE_SCRIPT,
+        str(configs / "agent_loop.yaml"),
+        str(configs / "webvoyager_grpo.yaml"),
+        pythonpath=[folder],
+        NEMO_GYM_BROWSER_PATCHES="0",
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
+    assert state["loop"] == "nemo_gym_browser.browser_agent_loop.BrowserToolAgentLoop"
+    assert state["loop_file"] == str(folder / "browser_agent_loop.py")
+    assert state["dataset"] == "nemo_gym_browser.dataset.BrowserJSONLDataset"
+    assert state["dataset_file"] == str(folder / "dataset.py")
+    # only the trainer wiring is off
+    assert state["hook"] is False
+    assert state["legacy_wrapper_file"] != str(folder / "patches.py")

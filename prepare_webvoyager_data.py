@@ -3,7 +3,10 @@
 What this module owns
     * Reading tasks from a local JSONL in WebVoyager's format (``id``, ``ques``, ``web``, optional ``web_name``;
       extra fields are kept as ``task_metadata``), from a Hugging Face dataset (``datasets.load_dataset``) or from
-      a dataset folder written by ``save_to_disk``. Lines that already are NeMo Gym rows (they carry
+      a dataset folder written by ``save_to_disk``. Aliases of those fields (``task_id``, ``question``,
+      ``start_url``/``initial_url``, ``site``) are read when WebVoyager's own field is absent; a row that carries
+      both uses WebVoyager's field, keeps the alias as task metadata, and is warned about (once per input, with a
+      count and the first place) when the two differ. Lines that already are NeMo Gym rows (they carry
       ``responses_create_params``) pass through, validated.
     * The row contract that ``dataset.py`` reads back (:func:`task_from_nemo_gym_row`): a NeMo Gym row plus the
       task fields this recipe adds (``task_id``, ``site``, ``question``, ``reference_answer``,
@@ -62,7 +65,8 @@ LISTING_QUESTION_CHARS = 70
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
 
-# WebVoyager's field names first; the aliases cover common re-publications of the task list.
+# WebVoyager's field names first; the aliases cover common re-publications of the task list. The first field present
+# wins (``id`` is WebVoyager's key); the others are kept as task metadata, so mirrors with extra columns still read.
 ID_FIELDS = ("id", "task_id")
 QUESTION_FIELDS = ("ques", "question")
 URL_FIELDS = ("web", "start_url", "initial_url")
@@ -186,6 +190,8 @@ class Task:
     messages: list[dict[str, str]] | None = None
     row: dict[str, Any] | None = None
     id_derived: bool = False
+    # (field used, alias kept as metadata) for each alias whose value differs from the field used
+    alias_conflicts: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,12 +209,23 @@ def _require_text(value: Any, name: str, location: str, *, allow_none: bool = Fa
     return value
 
 
-def _pick(obj: Mapping[str, Any], names: Sequence[str], location: str) -> tuple[str | None, Any]:
-    """The one field of ``names`` that ``obj`` has (null counts as absent), or (None, None)."""
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two spellings of one field agree (``5`` and ``"5 "`` do: ids come as numbers or strings)."""
+    if isinstance(a, str | int) and isinstance(b, str | int) and not isinstance(a, bool) and not isinstance(b, bool):
+        return str(a).strip() == str(b).strip()
+    return a == b
+
+
+def _pick(obj: Mapping[str, Any], names: Sequence[str]) -> tuple[str | None, Any, list[tuple[str, str]]]:
+    """(field, value, conflicts): the first field of ``names`` that ``obj`` has (null counts as absent), or
+    (None, None, []). The others stay in ``obj`` (they become task metadata); ``conflicts`` names those whose value
+    differs from the one used, as ``(field used, alias)`` pairs."""
     present = [name for name in names if obj.get(name) is not None]
-    if len(present) > 1:
-        raise InputError(location, f"fields {present} name the same thing: give only one")
-    return (present[0], obj[present[0]]) if present else (None, None)
+    if not present:
+        return None, None, []
+    used = present[0]
+    conflicts = [(used, name) for name in present[1:] if not _same_value(obj[name], obj[used])]
+    return used, obj[used], conflicts
 
 
 def validate_verifier_metadata(value: Any, location: str) -> dict[str, str] | None:
@@ -260,14 +277,17 @@ def _json_safe(value: Any, location: str, name: str) -> Any:
 
 
 def task_from_webvoyager(obj: Mapping[str, Any], location: str) -> Task:
-    """A task in WebVoyager's format: ``id``, ``ques``, ``web``, optional ``web_name``; extra fields kept."""
-    id_field, raw_id = _pick(obj, ID_FIELDS, location)
+    """A task in WebVoyager's format: ``id``, ``ques``, ``web``, optional ``web_name``; extra fields kept.
+
+    Where a row carries a field and its alias (say ``id`` and ``task_id``), the first of the group is used and the
+    alias is kept in the task metadata; ``Task.alias_conflicts`` records the pairs whose values differ."""
+    id_field, raw_id, id_conflicts = _pick(obj, ID_FIELDS)
     if isinstance(raw_id, int) and not isinstance(raw_id, bool):
         raw_id = str(raw_id)
     task_id = _require_text(raw_id, id_field or "id", location)
-    q_field, question = _pick(obj, QUESTION_FIELDS, location)
+    q_field, question, q_conflicts = _pick(obj, QUESTION_FIELDS)
     question = _require_text(question, q_field or "ques", location)
-    url_field, url = _pick(obj, URL_FIELDS, location)
+    url_field, url, url_conflicts = _pick(obj, URL_FIELDS)
     url = _require_text(url, url_field or "web", location)
     parts = urlsplit(url.strip())
     # A relative path is a page under the environment server's own folder (the server turns it into file://),
@@ -277,7 +297,7 @@ def task_from_webvoyager(obj: Mapping[str, Any], location: str) -> Task:
         raise InputError(
             location, f"'{url_field}' must be an http(s) URL or a path relative to the server's folder, got {url!r}"
         )
-    site_field, site = _pick(obj, SITE_FIELDS, location)
+    site_field, site, site_conflicts = _pick(obj, SITE_FIELDS)
     site = _require_text(site, site_field or "web_name", location, allow_none=True)
     if site is None:
         site = task_id.rsplit("--", 1)[0] if "--" in task_id else (parts.hostname or "local")
@@ -295,6 +315,7 @@ def task_from_webvoyager(obj: Mapping[str, Any], location: str) -> Task:
         reference_type=reference_type,
         metadata=metadata,
         location=location,
+        alias_conflicts=tuple(id_conflicts + q_conflicts + url_conflicts + site_conflicts),
     )
 
 
@@ -737,6 +758,7 @@ class Report:
     past_listed: list[Task] = field(default_factory=list)
     references: int | None = None
     references_used: int = 0
+    warnings: list[str] = field(default_factory=list)  # about input that was used, e.g. alias conflicts
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -767,8 +789,10 @@ examples:
 input:
   One JSON object per line (blank lines are skipped, a missing final newline is fine). WebVoyager's fields:
   id, ques, web, optional web_name (aliases: task_id, question, start_url/initial_url, site). Other fields are
-  kept under task_metadata. A line with responses_create_params is a NeMo Gym row and passes through,
-  validated. verifier_metadata, where given, must hold exactly one of {", ".join(VERIFIER_KEYS)}.
+  kept under task_metadata. A row with a field and its alias uses WebVoyager's field (id is the task id) and keeps
+  the alias under task_metadata; a warning per input counts the rows where the two differ. A line with
+  responses_create_params is a NeMo Gym row and passes through, validated. verifier_metadata, where given, must
+  hold exactly one of {", ".join(VERIFIER_KEYS)}.
 
 split:
   A task goes to validation when sha256(seed, task id) falls below --val-fraction: deterministic, and stable
@@ -807,32 +831,49 @@ exit status: 0 written (or dry run done), 2 bad usage or bad input (each error n
     return parser
 
 
-def _read_tasks(args: argparse.Namespace) -> tuple[str, list[Task], list[InputError], int]:
-    """(source description, tasks, errors, records read). Errors are collected, not raised, to report them all."""
+def alias_warnings(conflicts: Mapping[tuple[str, str, str], tuple[int, str]]) -> list[str]:
+    """One line per (input, field used, alias) from ``{(input, field, alias): (rows, first location)}``."""
+    lines = []
+    for (origin, used, alias), (rows, first) in conflicts.items():
+        verb = "rows give" if rows != 1 else "row gives"
+        key = " (WebVoyager's key)" if used == ID_FIELDS[0] else ""
+        lines.append(
+            f"{origin}: {rows} {verb} both '{used}' and '{alias}' with different values (first at {first}); "
+            f"'{used}' is used{key}, '{alias}' is kept in task_metadata"
+        )
+    return lines
+
+
+def _read_tasks(args: argparse.Namespace) -> tuple[str, list[Task], list[InputError], int, list[str]]:
+    """(source description, tasks, errors, records read, alias warnings). Errors are collected, not raised, to
+    report them all; alias conflicts are counted per input (file or dataset) and reported once each."""
+    records: Iterable[tuple[str, str, Any]]  # (input, location, parsed object or InputError)
     if args.input:
         missing = [path for path in args.input if not path.is_file()]
         if missing:
             raise InputError(str(missing[0]), "no such file")
         source = ", ".join(str(path) for path in args.input)
         total = sum(_count_lines(path) for path in args.input)
-        records: Iterable[tuple[str, Any]] = (record for path in args.input for record in _jsonl_records(path))
-    elif args.hf_dataset:
-        split = args.hf_split or "train"
-        dataset = load_hub_dataset(args.hf_dataset, args.hf_config, split, args.cache_dir)
-        source = f"{args.hf_dataset}[{split}]"
-        total, records = len(dataset), _dataset_records(dataset, source)
+        records = ((str(path), *record) for path in args.input for record in _jsonl_records(path))
     else:
-        dataset, source = load_disk_dataset(args.from_disk, args.hf_split)
-        total, records = len(dataset), _dataset_records(dataset, source)
+        if args.hf_dataset:
+            split = args.hf_split or "train"
+            dataset = load_hub_dataset(args.hf_dataset, args.hf_config, split, args.cache_dir)
+            source = f"{args.hf_dataset}[{split}]"
+        else:
+            dataset, source = load_disk_dataset(args.from_disk, args.hf_split)
+        total = len(dataset)
+        records = ((source, *record) for record in _dataset_records(dataset, source))
 
     tasks: list[Task] = []
     errors: list[InputError] = []
     first_seen: dict[str, str] = {}
+    conflicts: dict[tuple[str, str, str], tuple[int, str]] = {}
     count = 0
     progress = tqdm(
         records, total=total, unit="rows", desc="reading", disable=True if total < PROGRESS_MIN_RECORDS else None
     )
-    for location, obj in progress:
+    for origin, location, obj in progress:
         count += 1
         try:
             if isinstance(obj, InputError):
@@ -845,7 +886,11 @@ def _read_tasks(args: argparse.Namespace) -> tuple[str, list[Task], list[InputEr
             tasks.append(task)
         except InputError as exc:
             errors.append(exc)
-    return source, tasks, errors, count
+            continue
+        for used, alias in task.alias_conflicts:
+            rows, first = conflicts.get((origin, used, alias), (0, location))
+            conflicts[(origin, used, alias)] = (rows + 1, first)
+    return source, tasks, errors, count, alias_warnings(conflicts)
 
 
 def _attach_references(tasks: list[Task], answers: Mapping[tuple[str, int], ReferenceAnswer]) -> list[Task]:
@@ -882,10 +927,10 @@ def _select_sites(tasks: list[Task], include: list[str], exclude: list[str], rep
 def prepare(args: argparse.Namespace, today: dt.date) -> Report:
     """Read, validate, filter, split. Raises InputError; writes nothing."""
     answers = load_reference_answers(args.reference_answers) if args.reference_answers else None
-    source, tasks, errors, count = _read_tasks(args)
+    source, tasks, errors, count, warnings = _read_tasks(args)
     if errors:
         raise _Errors(errors)
-    report = Report(source=source, records=count)
+    report = Report(source=source, records=count, warnings=warnings)
     if answers is not None:
         tasks = _attach_references(tasks, answers)
         report.references = len(answers)
@@ -1006,6 +1051,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         print(f"error: {exc}\nnothing written", file=sys.stderr)
         return 2
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
     written: list[Path] = []
     if not args.dry_run:

@@ -332,6 +332,88 @@ def test_extra_fields_are_kept_as_task_metadata_and_web_name_is_optional(tmp_pat
     assert read_jsonl(tmp_path / "out" / "val.jsonl") == []
 
 
+ALIAS_PAIRS = [
+    pytest.param("id", "task_id", id="id-task_id"),
+    pytest.param("ques", "question", id="ques-question"),
+    pytest.param("web", "start_url", id="web-start_url"),
+    pytest.param("web", "initial_url", id="web-initial_url"),
+    pytest.param("web_name", "site", id="web_name-site"),
+]
+ALIAS_VALUES = {
+    "id": ("Allrecipes--{n}", "mirror-{n}"),
+    "ques": ("Find thing {n}.", "Find another thing {n}."),
+    "web": ("https://www.example.com/", "https://mirror.example.org/{n}"),
+    "web_name": ("Allrecipes", "Mirror{n}"),
+}
+
+
+def alias_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("warning: ") and "different values" in line]
+
+
+@pytest.mark.parametrize(("name", "alias"), ALIAS_PAIRS)
+def test_a_row_with_a_field_and_its_alias_uses_the_webvoyager_field_and_keeps_the_alias_as_task_metadata(
+    tmp_path, capsys, name, alias
+):
+    same, other = ALIAS_VALUES[name]
+    rows = [
+        task(0) | {alias: same.format(n=0)},  # the same value twice: no warning
+        task(1) | {name: same.format(n=1), alias: other.format(n=1)},
+        task(2) | {name: same.format(n=2), alias: other.format(n=2)},
+    ]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, _, stderr = run(capsys, "--input", source, "--output-dir", tmp_path / "out", "--val-fraction", "0")
+
+    assert code == 0, stderr
+    written = read_jsonl(tmp_path / "out" / "train.jsonl")
+    assert [row["task_id"] for row in written] == ["Allrecipes--0", "Allrecipes--1", "Allrecipes--2"]
+    column = {"id": "task_id", "ques": "question", "web": "initial_url", "web_name": "site"}[name]
+    assert [row[column] for row in written] == [same.format(n=n) for n in range(3)]
+    assert [row["task_metadata"] for row in written] == [
+        {alias: same.format(n=0)},
+        {alias: other.format(n=1)},
+        {alias: other.format(n=2)},
+    ]
+    (warning,) = alias_warnings(stderr)  # once per file, however many rows
+    assert f"{source}: 2 rows give both '{name}' and '{alias}' with different values (first at {source}:2)" in warning
+    assert f"'{name}' is used" in warning and f"'{alias}' is kept in task_metadata" in warning
+
+
+def test_alias_conflicts_are_warned_once_per_input_file_and_not_at_all_without_them(tmp_path, capsys):
+    first = write_jsonl(tmp_path / "a.jsonl", [task(0, task_id="a-0"), task(1, task_id="a-1")])
+    second = write_jsonl(tmp_path / "b.jsonl", [task(2), task(3, task_id="b-3"), task(4, question="Other?")])
+    clean = write_jsonl(tmp_path / "c.jsonl", [task(5, task_id="Allrecipes--5")])
+    code, _, stderr = run(
+        capsys, "--input", first, "--input", second, "--input", clean, "--output-dir", tmp_path / "out"
+    )
+
+    assert code == 0, stderr
+    assert alias_warnings(stderr) == [
+        f"warning: {first}: 2 rows give both 'id' and 'task_id' with different values (first at {first}:1); "
+        "'id' is used (WebVoyager's key), 'task_id' is kept in task_metadata",
+        f"warning: {second}: 1 row gives both 'id' and 'task_id' with different values (first at {second}:2); "
+        "'id' is used (WebVoyager's key), 'task_id' is kept in task_metadata",
+        f"warning: {second}: 1 row gives both 'ques' and 'question' with different values (first at {second}:3); "
+        "'ques' is used, 'question' is kept in task_metadata",
+    ]
+
+
+def test_a_saved_dataset_with_both_id_and_task_id_columns_is_read_with_one_warning(tmp_path, capsys, no_network):
+    import datasets
+
+    records = [task(0, task_id="mirror-0"), task(1, task_id="mirror-1"), task(2, task_id="Allrecipes--2")]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    code, _, stderr = run(capsys, "--from-disk", tmp_path / "saved", "--output-dir", tmp_path / "out")
+
+    assert code == 0, stderr
+    rows = read_jsonl(tmp_path / "out" / "train.jsonl") + read_jsonl(tmp_path / "out" / "val.jsonl")
+    assert sorted(row["task_id"] for row in rows) == ["Allrecipes--0", "Allrecipes--1", "Allrecipes--2"]
+    (warning,) = alias_warnings(stderr)
+    assert f"{tmp_path / 'saved'}: 2 rows give both 'id' and 'task_id'" in warning
+    assert f"(first at {tmp_path / 'saved'}#0)" in warning
+    assert no_network == []
+
+
 def test_nemo_gym_rows_pass_through_validated_with_a_task_id_added(tmp_path, capsys):
     nemo_row = {
         "responses_create_params": {

@@ -115,6 +115,9 @@ EXTRA_FIELDS_KEY = "extra_fields"  # the single TransferQueue field holding Agen
 ESTIMATOR_NAME = "grpo_env_aware"  # == group_stats.ESTIMATOR_NAME; not imported so that this module stays torch-free
 REQUIRED_VERL_FILE = "REQUIRED_VERL.txt"  # KEY=VALUE, next to this module; VERL_VERSION is what the patches target
 INVALID_FRACTION_METRIC = "grpo_env_aware/invalid_fraction"
+# A JSONL path: when set, the V1 trainer appends one line per advantage computation with every sample's group, flag,
+# score and advantage, so what the estimator did inside a real run can be checked (and read) sample by sample.
+ADVANTAGE_LOG_ENV = "NEMO_GYM_BROWSER_ADVANTAGE_LOG"
 PADDING_TAG = "is_padding"  # V1: tag of the synthetic samples verl appends to make the batch divisible
 
 CORE_ALGOS = "verl.trainer.ppo.core_algos"
@@ -462,9 +465,47 @@ def _make_v1_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable
             real = [not tag.get(PADDING_TAG, False) for tag in batch.tags] if batch.tags else [True] * len(flags)
             counted = [flag for flag, keep in zip(flags.tolist(), real, strict=True) if keep]
             metrics[INVALID_FRACTION_METRIC] = sum(counted) / len(counted) if counted else 0.0
+        log_path = os.environ.get(ADVANTAGE_LOG_ENV)
+        if log_path:
+            _append_advantage_log(log_path, getattr(trainer, "global_steps", None), batch, flags)
         return result
 
     return _compute_advantage
+
+
+def _append_advantage_log(path: str, step: Any, batch: Any, flags: Any) -> None:
+    """One JSON line: every real sample of the batch with its group, flag, score and advantage (first response token).
+
+    A sample with no response token left (an invalid sample's mask is zeroed by the loop) has advantage 0.
+    """
+    import json
+
+    import transfer_queue as tq
+
+    fields = ["uid", "rm_scores", "advantages", "response_mask"]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    uids = data["uid"].tolist()
+    columns = [data[name].unbind() for name in ("rm_scores", "advantages", "response_mask")]
+    tags = batch.tags or [{}] * len(batch.keys)
+    samples = []
+    for index, (key, uid, tag, (scores, advantages, mask)) in enumerate(
+        zip(batch.keys, uids, tags, zip(*columns, strict=True), strict=True)
+    ):
+        if tag.get(PADDING_TAG, False):
+            continue
+        kept = mask.bool()
+        samples.append(
+            {
+                "key": key,
+                "uid": str(uid),
+                "env_invalid": None if flags is None else bool(flags[index]),
+                "score": float(scores.sum()),
+                "advantage": float(advantages[kept][0]) if kept.any() else 0.0,
+                "response_tokens": int(kept.sum()),
+            }
+        )
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(json.dumps({"step": step, "samples": samples}) + "\n")
 
 
 def _fetch_v1_extra_fields(batch: Any) -> list[dict[str, Any] | None] | None:

@@ -1,0 +1,472 @@
+"""verl's real ``main_ppo`` with this recipe on one machine: the command, the process, its metrics, injected faults.
+
+What it owns
+    * :class:`RunSpec`: one short training run (model folder, data files, environment servers, sizes, estimator,
+      checkpointing) and :func:`hydra_overrides` / :func:`process_environment`, the exact ``main_ppo`` command line
+      and environment it implies: ``configs/webvoyager_grpo.yaml`` (the recipe's own trainer config, as
+      ``submit_webvoyager.sh`` uses it), small sizes, and, unless ``rollout_name`` says otherwise, the CPU backend of
+      :mod:`nemo_gym_browser.testing.cpu_backend` in place of vLLM.
+    * :func:`run_main_ppo`: ``python -m verl.trainer.main_ppo`` as a child process in its own process group, its
+      output in ``main_ppo.log``, its per-step metrics read back from verl's own ``file`` logger
+      (``metrics.jsonl``); on timeout or interruption the whole group is stopped (it is ours: Ray's processes
+      included).
+    * :class:`InjectedFaults`: the project's fault proxy (:mod:`nemo_gym_browser.testing.fault_proxy`) between the
+      trainer's rollouts and a real environment server, in a background thread, with deterministic rules.
+
+The stock arm (``estimator="grpo"``) is verl's GRPO as it ships: the recipe's trainer wiring is switched off
+(``NEMO_GYM_BROWSER_PATCHES=0``), each rollout gets one attempt and a failure enters its group as a zero.
+
+Layout of ``RunSpec.output_dir``: ``command.txt``, ``main_ppo.log``, ``metrics.jsonl`` (verl's per-step metrics),
+``advantages.jsonl`` (every sample's flag, score and advantage per step; recipe arm only), ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .background_loop import BackgroundLoop
+
+logger = logging.getLogger(__name__)
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent
+CONFIG_DIR = RECIPE_DIR / "configs"
+METRICS_FILE = "metrics.jsonl"
+ADVANTAGES_FILE = "advantages.jsonl"  # patches.ADVANTAGE_LOG_ENV: every sample's flag, score and advantage per step
+LOG_FILE = "main_ppo.log"
+CHECKPOINT_DIR = "checkpoints"
+STOCK_ESTIMATOR = "grpo"
+CPU_ROLLOUT = "hfcpu"  # cpu_backend.ROLLOUT_NAME, not imported here so that building a command imports nothing
+RECIPE_ESTIMATOR = "grpo_env_aware"
+# A stopped run's process group gets this long after SIGTERM (Ray shuts its workers down) before SIGKILL.
+STOP_GRACE_S = 20.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One short ``main_ppo`` run. Sizes are small on purpose: a CPU step should take seconds, not minutes."""
+
+    model_path: Path
+    train_file: Path
+    val_file: Path
+    server_urls: tuple[str, ...]
+    output_dir: Path
+    steps: int = 2
+    prompts_per_step: int = 2
+    group_size: int = 4  # rollout.n: episodes per task, one GRPO group
+    max_prompt_length: int = 1536
+    max_response_length: int = 2048
+    max_assistant_turns: int = 4
+    lr: float = 1e-4
+    estimator: str = RECIPE_ESTIMATOR
+    max_attempts: int = 3
+    drop_invalid: bool = False
+    episode_deadline_s: float = 300.0
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = False
+    resume: bool = False
+    temperature: float = 1.0
+    seed: int = 0
+    rollout_name: str = CPU_ROLLOUT  # the CPU backend; "vllm" on a GPU machine (scripts/gpu_check.sh)
+    agent_workers: int = 1
+    extra_overrides: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.estimator not in (RECIPE_ESTIMATOR, STOCK_ESTIMATOR):
+            raise ValueError(f"estimator must be {RECIPE_ESTIMATOR!r} or {STOCK_ESTIMATOR!r}, not {self.estimator!r}")
+        if not self.server_urls:
+            raise ValueError("at least one environment server URL is needed")
+        if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1:
+            raise ValueError("steps, prompts_per_step and group_size must be at least 1")
+
+    @property
+    def stock(self) -> bool:
+        return self.estimator == STOCK_ESTIMATOR
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.output_dir / METRICS_FILE
+
+    @property
+    def advantages_path(self) -> Path:
+        return self.output_dir / ADVANTAGES_FILE
+
+    @property
+    def log_path(self) -> Path:
+        return self.output_dir / LOG_FILE
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / CHECKPOINT_DIR
+
+    def replace(self, **changes: Any) -> RunSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def _hydra_string(value: str | Path) -> str:
+    """A hydra override value quoted so that commas, colons and brackets in paths and URLs stay literal."""
+    text = str(value).replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{text}'"
+
+
+def hydra_overrides(spec: RunSpec) -> list[str]:
+    """The ``main_ppo`` overrides on top of ``configs/webvoyager_grpo.yaml`` for ``spec``, one per element."""
+    tokens = spec.max_prompt_length + spec.max_response_length
+    urls = ",".join(_hydra_string(url) for url in spec.server_urls)
+    overrides = [
+        f"actor_rollout_ref.model.path={_hydra_string(spec.model_path)}",
+        f"data.train_files={_hydra_string(spec.train_file)}",
+        f"data.val_files={_hydra_string(spec.val_file)}",
+        f"data.train_batch_size={spec.prompts_per_step}",
+        f"data.max_prompt_length={spec.max_prompt_length}",
+        f"data.max_response_length={spec.max_response_length}",
+        "data.dataloader_num_workers=0",
+        f"data.seed={spec.seed}",
+        f"actor_rollout_ref.actor.optim.lr={spec.lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={spec.prompts_per_step}",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={tokens}",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={tokens}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={tokens}",
+        f"actor_rollout_ref.rollout.n={spec.group_size}",
+        f"actor_rollout_ref.rollout.temperature={spec.temperature}",
+        f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={spec.max_assistant_turns}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={_hydra_string(CONFIG_DIR / 'browser_tool.yaml')}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={_hydra_string(CONFIG_DIR / 'agent_loop.yaml')}",
+        f"actor_rollout_ref.rollout.agent.num_workers={spec.agent_workers}",
+        f"algorithm.adv_estimator={spec.estimator}",
+        f"nemo_gym_browser.environment.server_urls=[{urls}]",
+        f"nemo_gym_browser.episode_deadline_s={spec.episode_deadline_s}",
+        f"nemo_gym_browser.max_attempts={1 if spec.stock else spec.max_attempts}",
+        "trainer.logger=[console,file]",
+        f"trainer.total_training_steps={spec.steps}",
+        f"trainer.save_freq={spec.save_freq}",
+        f"trainer.test_freq={spec.test_freq}",
+        f"trainer.val_before_train={spec.val_before_train}",
+        f"trainer.resume_mode={'auto' if spec.resume else 'disable'}",
+        f"trainer.default_local_dir={_hydra_string(spec.checkpoint_dir)}",
+        "trainer.project_name=nemo_gym_browser_local",
+        f"trainer.experiment_name={spec.output_dir.name}",
+    ]
+    if spec.rollout_name == CPU_ROLLOUT:
+        overrides += _cpu_backend().cpu_overrides()
+    else:
+        overrides += [
+            f"actor_rollout_ref.rollout.name={spec.rollout_name}",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "trainer.nnodes=1",
+            "trainer.n_gpus_per_node=1",
+        ]
+    return overrides + list(spec.extra_overrides)
+
+
+def _cpu_backend() -> Any:
+    from . import cpu_backend
+
+    return cpu_backend
+
+
+def process_environment(spec: RunSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of the ``main_ppo`` process (its local Ray cluster's workers inherit it)."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(p for p in (str(RECIPE_DIR), env.get("PYTHONPATH", "")) if p),
+            "VERL_FILE_LOGGER_PATH": str(spec.metrics_path),
+            "NEMO_GYM_BROWSER_ADVANTAGE_LOG": str(spec.advantages_path),
+            "NEMO_GYM_BROWSER_DROP_INVALID": "1" if spec.drop_invalid and not spec.stock else "0",
+            "NEMO_GYM_BROWSER_PATCHES": "0" if spec.stock else "1",
+            "HYDRA_FULL_ERROR": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",  # Ray would otherwise report usage to an outside server
+            "RAY_DEDUP_LOGS": "0",
+        }
+    )
+    if spec.rollout_name == CPU_ROLLOUT:
+        env.update(_cpu_backend().cpu_env())
+    env.update(spec.extra_env)
+    return env
+
+
+def main_ppo_command(spec: RunSpec, python: str = sys.executable) -> list[str]:
+    return [
+        python,
+        "-m",
+        "verl.trainer.main_ppo",
+        f"--config-path={CONFIG_DIR}",
+        "--config-name=webvoyager_grpo",
+        *hydra_overrides(spec),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- the trainer's metrics
+@dataclass(frozen=True)
+class RunResult:
+    returncode: int
+    elapsed_s: float
+    steps: dict[int, dict[str, Any]]  # training step -> the metrics verl logged for it
+    advantages: dict[int, list[dict[str, Any]]]  # training step -> every sample's flag, score and advantage
+    log_path: Path
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def read_advantages(path: Path) -> dict[int, list[dict[str, Any]]]:
+    """``advantages.jsonl`` by training step: the samples of each advantage computation (see ``patches.py``)."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                steps.setdefault(int(record["step"]), []).extend(record["samples"])
+    return steps
+
+
+def read_step_metrics(path: Path) -> dict[int, dict[str, Any]]:
+    """The metrics verl's ``file`` logger wrote, by step; several records of one step (training, validation) merge."""
+    steps: dict[int, dict[str, Any]] = {}
+    if not path.exists():
+        return steps
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            steps.setdefault(int(record["step"]), {}).update(record["data"])
+    return steps
+
+
+def run_main_ppo(
+    spec: RunSpec,
+    *,
+    timeout_s: float,
+    python: str = sys.executable,
+    on_line: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Run ``main_ppo`` for ``spec`` to the end (or ``timeout_s``) and return what it logged.
+
+    ``on_line`` sees every line of the trainer's output as it comes (progress for a CLI); everything also goes to
+    ``spec.log_path``. The metrics file is truncated first by verl itself, so a result never mixes two runs.
+    """
+    spec.output_dir.mkdir(parents=True, exist_ok=True)
+    spec.advantages_path.unlink(missing_ok=True)  # appended to by the trainer: start empty, like metrics.jsonl
+    command = main_ppo_command(spec, python)
+    (spec.output_dir / "command.txt").write_text(" \\\n  ".join(command) + "\n")
+    started = time.monotonic()
+    with open(spec.log_path, "ab") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=spec.output_dir,
+            env=process_environment(spec),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert process.stdout is not None
+        reader = threading.Thread(target=_copy_lines, args=(process.stdout, log, on_line), daemon=True)
+        reader.start()
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.error("main_ppo ran past %.0f s; stopping its process group %d", timeout_s, process.pid)
+            _stop_group(process)
+            returncode = -signal.SIGKILL
+        except BaseException:
+            _stop_group(process)
+            raise
+        finally:
+            reader.join(timeout=10)
+    return RunResult(
+        returncode,
+        time.monotonic() - started,
+        read_step_metrics(spec.metrics_path),
+        read_advantages(spec.advantages_path),
+        spec.log_path,
+    )
+
+
+def _copy_lines(stream: Any, log: Any, on_line: Callable[[str], None] | None) -> None:
+    for raw in iter(stream.readline, b""):
+        log.write(raw)
+        log.flush()
+        if on_line is not None:
+            on_line(raw.decode(errors="replace").rstrip("\n"))
+    stream.close()
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the run's process group (it is ours: started with a new session), SIGKILL after the grace."""
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ------------------------------------------------------------------------------------------------- injected faults
+class InjectedFaults:
+    """The fault proxy in front of ``upstream``, on its own event loop in a daemon thread.
+
+    ``with InjectedFaults(env.url, rule) as faults: ... faults.url ...``; after the run, ``open_session_ids`` are
+    the sessions seeded through the proxy that no verify or close released, and ``counts()`` what was injected.
+    """
+
+    _TIMEOUT_S = 30.0
+
+    def __init__(self, upstream: str, rule: Callable[[Any], Any] | None = None) -> None:
+        from .fault_proxy import FaultProxy
+
+        self._loop = BackgroundLoop("fault-proxy")
+        self._proxy = FaultProxy(upstream)
+        self._rule = rule
+
+    def __enter__(self) -> InjectedFaults:
+        self._loop.open()
+        try:
+            self._loop.run(self._proxy.start(), timeout_s=self._TIMEOUT_S)
+        except BaseException:
+            self._loop.close()
+            raise
+        self._proxy.set_rule(self._rule)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self._loop.run(self._proxy.close(), timeout_s=self._TIMEOUT_S)
+        finally:
+            self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return self._proxy.url
+
+    @property
+    def open_session_ids(self) -> tuple[str, ...]:
+        return self._proxy.open_session_ids
+
+    @property
+    def log(self) -> list[Any]:
+        return list(self._proxy.log)
+
+    def counts(self) -> dict[str, int]:
+        from .fault_proxy import fault_counts
+
+        return fault_counts(self.log)
+
+
+@dataclass(frozen=True)
+class RowFault:
+    """Break ``endpoint`` on the given attempts of the first ``rollouts`` rollouts of a dataset row that reach it."""
+
+    endpoint: str  # "seed_session", "verify", "browser_click", ...
+    attempts: tuple[int, ...]
+    rollouts: int
+    fault: str = "status"  # "status" (503), "drop", "lose_session"
+
+
+def planned_faults(plan: Mapping[int, RowFault]) -> Callable[[Any], Any]:
+    """A proxy rule from a plan keyed by dataset row index (the ``index`` column), deterministic whatever the timing.
+
+    Rollouts are told apart by the id the loop gives each (``r<index>-<hex>``): the first ``rollouts`` distinct ones
+    of a row to open a session are the planned ones, whichever of the group's episodes they are.
+    """
+    from .chaos_harness import parse_session_id
+    from .fault_proxy import ProxyFault
+
+    make = {
+        "status": lambda: ProxyFault.status_code(503),
+        "drop": ProxyFault.drop,
+        "lose_session": ProxyFault.lose_session,
+    }
+    chosen: dict[int, list[str]] = {}
+    lock = threading.Lock()
+
+    def rule(request: Any) -> Any:
+        parsed = parse_session_id(request.session_id)
+        if parsed is None:
+            return None
+        index, attempt = parsed
+        row_fault = plan.get(index)
+        if row_fault is None:
+            return None
+        rollout = request.session_id.split(".", 1)[0]
+        with lock:
+            picked = chosen.setdefault(index, [])
+            if rollout not in picked and len(picked) < row_fault.rollouts:
+                picked.append(rollout)
+            planned = rollout in picked
+        if planned and request.endpoint == row_fault.endpoint and attempt in row_fault.attempts:
+            return make[row_fault.fault]()
+        return None
+
+    return rule
+
+
+def random_faults(rate: float, seed: int, endpoint: str = "verify") -> Callable[[Any], Any]:
+    """A proxy rule that answers 503 to ``endpoint`` for a fraction ``rate`` of all sessions (each attempt drawn anew).
+
+    The draw is a hash of the session id and ``seed``, so it does not depend on request order or timing; over many
+    sessions the fraction converges to ``rate``. A 503 at verify spoils an episode after the policy acted: the
+    recipe re-runs it (``verify_unavailable``), stock GRPO scores it 0.
+    """
+    import hashlib
+
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1], not {rate}")
+    from .fault_proxy import ProxyFault
+
+    def rule(request: Any) -> Any:
+        if request.endpoint != endpoint or not request.session_id:
+            return None
+        digest = hashlib.sha256(f"{seed}:{request.session_id}".encode()).digest()
+        draw = int.from_bytes(digest[:8], "big") / 2**64
+        return ProxyFault.status_code(503) if draw < rate else None
+
+    return rule
+
+
+def metric(steps: Mapping[int, Mapping[str, Any]], step: int, key: str) -> float:
+    """One logged metric of one step as a float; NaN when it was not logged."""
+    value = steps.get(step, {}).get(key)
+    return float(value) if value is not None else math.nan
+
+
+__all__ = [
+    "InjectedFaults",
+    "RowFault",
+    "RunResult",
+    "RunSpec",
+    "hydra_overrides",
+    "main_ppo_command",
+    "metric",
+    "planned_faults",
+    "process_environment",
+    "random_faults",
+    "read_advantages",
+    "read_step_metrics",
+    "run_main_ppo",
+]

@@ -1,0 +1,161 @@
+"""verl's real ``main_ppo`` trains with this recipe: V1 trainer, ``BrowserToolAgentLoop``, ``grpo_env_aware`` through
+``patches.py``, the real nemo-gym 0.7.0 server with Chromium on 127.0.0.1, and infrastructure failures injected by
+the fault proxy between the rollouts and the server.
+
+The model is the project's tiny policy on the CPU backend (``testing/cpu_backend``: a ``cpu`` platform and the
+``hfcpu`` rollout in place of vLLM). Everything asserted is read from what the trainer itself logged (verl's ``file``
+logger), from the checkpoint folder it wrote, and from the proxy's and the server's view of the sessions.
+
+The plan of faults (by dataset row, see ``PLAN``) is deterministic: every row is in every step (the batch is the whole
+training set), and the first rollout of a row to open a session is the one the plan breaks, on its planned attempts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from nemo_gym_browser.rehearsal import expected_advantages
+from nemo_gym_browser.testing import training_run as tr
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS = REPO / "examples" / "local_tasks.jsonl"
+GROUP_SIZE = 2
+# A cold Ray start, model load and two CPU steps take 1-3 minutes here; a loaded machine several times that.
+RUN_TIMEOUT_S = 1200
+# Row 0: its first rollout's seed fails once (resampled, recovered). Row 1: its first rollout's verify fails on every
+# attempt (still invalid after 3 attempts: flagged, advantage 0).
+PLAN = {
+    0: tr.RowFault("seed_session", attempts=(1,), rollouts=1),
+    1: tr.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("main_ppo")
+
+
+@pytest.fixture(scope="module")
+def data(workdir: Path) -> tuple[Path, Path, int]:
+    from nemo_gym_browser.prepare_webvoyager_data import main as prepare
+
+    out = workdir / "data"
+    assert prepare(["--input", str(TASKS), "--output-dir", str(out), "--val-fraction", "0"]) == 0
+    train = out / "train.jsonl"
+    rows = len(train.read_text().splitlines())
+    # verl needs validation rows even when it never validates: the training rows serve.
+    return train, train, rows
+
+
+@pytest.fixture(scope="module")
+def policy(workdir: Path) -> Path:
+    from nemo_gym_browser.testing.tiny_policy import build_policy
+
+    return build_policy(workdir / "policy", warm_start=True, seed=0)
+
+
+@pytest.fixture(scope="module")
+def first_run(real_environment, workdir: Path, data: tuple[Path, Path, int], policy: Path):
+    """Two training steps, a checkpoint at step 2; the proxy's and the server's view of the sessions afterwards."""
+    train, val, rows = data
+    with tr.InjectedFaults(real_environment.url, tr.planned_faults(PLAN)) as faults:
+        spec = tr.RunSpec(
+            model_path=policy,
+            train_file=train,
+            val_file=val,
+            server_urls=(faults.url,),
+            output_dir=workdir / "run",
+            steps=2,
+            prompts_per_step=rows,
+            group_size=GROUP_SIZE,
+            save_freq=2,
+        )
+        result = tr.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
+        left_open = faults.open_session_ids
+        injected = faults.counts()
+    state = real_environment.browser_state()
+    return spec, result, rows, left_open, injected, state
+
+
+def _require_ok(result: tr.RunResult) -> None:
+    assert result.ok, f"main_ppo exited with {result.returncode}; the end of {result.log_path}:\n{result.log_tail()}"
+
+
+def test_main_ppo_runs_two_real_training_steps_with_the_recipe(first_run) -> None:
+    _, result, rows, *_ = first_run
+    _require_ok(result)
+    assert sorted(result.steps) == [1, 2]
+    for step in (1, 2):
+        metrics = result.steps[step]
+        assert metrics["training/global_step"] == step
+        # the actor was really updated and the rollout received the new weights
+        assert "actor/pg_loss" in metrics and "timing_s/update_weights" in metrics
+        assert tr.metric(result.steps, step, "env/samples") == rows * GROUP_SIZE
+
+
+def test_the_trainer_logs_env_metrics_that_match_the_injected_faults(first_run) -> None:
+    _, result, rows, _, injected, _ = first_run
+    _require_ok(result)
+    samples = rows * GROUP_SIZE
+    first = {key: tr.metric(result.steps, 1, key) for key in result.steps[1] if key.startswith("env/")}
+    assert first["env/failed_attempts/seed_failed"] == 1
+    assert first["env/failed_attempts/verify_unavailable"] == 3
+    assert first["env/invalid_count"] == 1
+    assert first["env/invalid/verify_unavailable"] == 1
+    assert first["env/invalid/seed_failed"] == 0
+    assert math.isclose(first["env/invalid_rate"], 1 / samples)
+    assert math.isclose(first["env/resampled_rate"], 2 / samples)
+    assert math.isclose(first["env/recovered_rate"], 1 / samples)
+    assert first["env/attempts/max"] == 3
+    # the proxy answered 503 exactly where the plan says: one seed, three verifies
+    assert injected == {"status": 4}
+    # step 2: the plan is spent, nothing failed
+    assert tr.metric(result.steps, 2, "env/invalid_count") == 0
+    assert tr.metric(result.steps, 2, "env/resampled_rate") == 0
+
+
+def test_flagged_samples_get_advantage_zero_and_stay_out_of_their_groups_baseline_in_the_real_fit_loop(
+    first_run,
+) -> None:
+    _, result, rows, *_ = first_run
+    _require_ok(result)
+    assert math.isclose(tr.metric(result.steps, 1, "grpo_env_aware/invalid_fraction"), 1 / (rows * GROUP_SIZE))
+    assert tr.metric(result.steps, 2, "grpo_env_aware/invalid_fraction") == 0.0
+    assert sorted(result.advantages) == [1, 2]
+    for step, samples in result.advantages.items():
+        assert len(samples) == rows * GROUP_SIZE
+        invalid = [bool(s["env_invalid"]) for s in samples]
+        assert sum(invalid) == (1 if step == 1 else 0)
+        # the estimator's contract, computed independently: GRPO over each group's valid samples, 0 for the rest
+        expected = expected_advantages([s["score"] for s in samples], invalid, [s["uid"] for s in samples], norm=True)
+        for sample, want in zip(samples, expected, strict=True):
+            assert sample["advantage"] == pytest.approx(want, abs=1e-4), sample
+        for sample in (s for s, bad in zip(samples, invalid, strict=True) if bad):
+            assert sample["advantage"] == 0.0 and sample["response_tokens"] == 0  # out of the loss as well
+
+
+def test_no_browser_session_is_left_open_after_training(first_run) -> None:
+    _, result, _, left_open, _, state = first_run
+    _require_ok(result)
+    assert left_open == ()
+    assert state.idle, f"the server still holds {state}"
+
+
+def test_a_checkpoint_is_written_and_training_resumes_from_it(first_run, real_environment) -> None:
+    spec, result, *_ = first_run
+    _require_ok(result)
+    assert (spec.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (spec.checkpoint_dir / "global_step_2" / "actor").is_dir()
+    resumed = tr.run_main_ppo(
+        spec.replace(steps=3, resume=True, server_urls=(real_environment.url,), save_freq=-1),
+        timeout_s=RUN_TIMEOUT_S,
+    )
+    _require_ok(resumed)
+    # verl resumed at step 3: steps 1 and 2 were not trained again
+    assert sorted(resumed.steps) == [3]
+    assert tr.metric(resumed.steps, 3, "env/samples") > 0

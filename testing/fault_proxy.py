@@ -15,7 +15,8 @@ misbehaved, without touching the server:
 
 Rules see a :class:`ProxiedRequest`: the endpoint and the ``interactive_browser`` session it belongs to (the
 typed ``resources_session_id`` of a seed or close body, otherwise the id carried by the Starlette session cookie;
-both the real server's and the fake's cookies carry ``{"session_id": ...}`` as base64 JSON before the first dot).
+both the real server's and the fake's cookies carry ``{"session_id": ...}`` as base64 JSON before the first dot),
+and the task that session was seeded for (the typed seed's ``task_id``).
 
 Bookkeeping: :attr:`FaultProxy.log` lists every request with the fault applied to it and the status the client
 got; :attr:`FaultProxy.open_session_ids` are the sessions whose seed succeeded through the proxy and that no
@@ -98,6 +99,7 @@ class ProxiedRequest:
     endpoint: str  # the path without its leading slash, e.g. "browser_click"
     session_id: str | None
     received_at: float  # time.monotonic()
+    task_id: str | None = None  # the task the session was seeded for (the typed seed's task_id), when known
 
 
 @dataclass(frozen=True)
@@ -132,14 +134,25 @@ def session_id_from_cookie(cookie_header: str | None) -> str | None:
     return None
 
 
-def _typed_session_id(body: bytes) -> str | None:
+def _json_object(body: bytes) -> dict | None:
     try:
         payload = json.loads(body) if body else None
     except ValueError:
         return None
-    if isinstance(payload, dict) and isinstance(payload.get("resources_session_id"), str):
-        return payload["resources_session_id"]
-    return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _typed_session_id(body: bytes) -> str | None:
+    payload = _json_object(body) or {}
+    session_id = payload.get("resources_session_id")
+    return session_id if isinstance(session_id, str) else None
+
+
+def _typed_task_id(body: bytes) -> str | None:
+    """``task_id.task_id`` of a typed seed body."""
+    task = (_json_object(body) or {}).get("task_id")
+    task_id = task.get("task_id") if isinstance(task, dict) else None
+    return task_id if isinstance(task_id, str) else None
 
 
 class FaultProxy:
@@ -155,6 +168,7 @@ class FaultProxy:
         self.log: list[LogEntry] = []
         self._rule: Rule | None = None
         self._open: dict[str, float] = {}  # session id -> time its seed succeeded
+        self._tasks: dict[str, str] = {}  # session id -> task id, from its seed (kept: a few dozen bytes a session)
         self._runner: web.AppRunner | None = None
         self._client: aiohttp.ClientSession | None = None
 
@@ -242,7 +256,16 @@ class FaultProxy:
             session_id = _typed_session_id(body)
         if session_id is None:
             session_id = session_id_from_cookie(request.headers.get("Cookie"))
-        proxied = ProxiedRequest(endpoint=endpoint, session_id=session_id, received_at=time.monotonic())
+        if endpoint == "seed_session" and session_id is not None:
+            task_id = _typed_task_id(body)
+            if task_id is not None:
+                self._tasks[session_id] = task_id
+        proxied = ProxiedRequest(
+            endpoint=endpoint,
+            session_id=session_id,
+            received_at=time.monotonic(),
+            task_id=self._tasks.get(session_id) if session_id is not None else None,
+        )
         fault = self._rule(proxied) if self._rule is not None else None
         status: int | None = None
         try:

@@ -22,6 +22,7 @@ Layout of ``RunSpec.output_dir``: ``command.txt``, ``main_ppo.log``, ``metrics.j
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,11 +33,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..prepare_webvoyager_data import DATA_SOURCE
 from .background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
@@ -426,21 +428,25 @@ def planned_faults(plan: Mapping[int, RowFault]) -> Callable[[Any], Any]:
     return rule
 
 
-def random_faults(rate: float, seed: int, endpoint: str = "verify") -> Callable[[Any], Any]:
+def random_faults(
+    rate: float, seed: int, endpoint: str = "verify", spare_tasks: frozenset[str] = frozenset()
+) -> Callable[[Any], Any]:
     """A proxy rule that answers 503 to ``endpoint`` for a fraction ``rate`` of all sessions (each attempt drawn anew).
 
     The draw is a hash of the session id and ``seed``, so it does not depend on request order or timing; over many
     sessions the fraction converges to ``rate``. A 503 at verify spoils an episode after the policy acted: the
-    recipe re-runs it (``verify_unavailable``), stock GRPO scores it 0.
+    recipe re-runs it (``verify_unavailable``), stock GRPO scores it 0. Sessions of ``spare_tasks`` (e.g. the
+    held-back tasks validation runs) are never faulted, so validation measures the policy alone.
     """
     import hashlib
 
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"rate must be in [0, 1], not {rate}")
     from .fault_proxy import ProxyFault
 
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1], not {rate}")
+
     def rule(request: Any) -> Any:
-        if request.endpoint != endpoint or not request.session_id:
+        if request.endpoint != endpoint or not request.session_id or request.task_id in spare_tasks:
             return None
         digest = hashlib.sha256(f"{seed}:{request.session_id}".encode()).digest()
         draw = int.from_bytes(digest[:8], "big") / 2**64
@@ -470,3 +476,175 @@ __all__ = [
     "read_step_metrics",
     "run_main_ppo",
 ]
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+# The compact per-step line the CLI prints: (metric key, column title, format).
+SUMMARY_COLUMNS = (
+    ("timing_s/step", "step s", "{:7.1f}"),
+    ("timing_s/gen", "gen s", "{:6.1f}"),
+    ("critic/score/mean", "reward", "{:6.3f}"),
+    ("env/invalid_rate", "invalid", "{:7.3f}"),
+    ("env/resampled_rate", "resampled", "{:9.3f}"),
+    ("grpo_env_aware/invalid_fraction", "flagged", "{:7.3f}"),
+    (f"val-core/{DATA_SOURCE}/reward/mean@1", "held-back success", "{:17.3f}"),
+)
+
+
+def summary_header() -> str:
+    widths = [len(fmt.format(0.0)) for _, _, fmt in SUMMARY_COLUMNS]
+    return "step " + " ".join(title.rjust(width) for (_, title, _), width in zip(SUMMARY_COLUMNS, widths, strict=True))
+
+
+def summary_line(step: int, metrics: Mapping[str, Any]) -> str:
+    cells = []
+    for key, _, fmt in SUMMARY_COLUMNS:
+        value = metrics.get(key)
+        cells.append(fmt.format(float(value)) if value is not None else "-".rjust(len(fmt.format(0.0))))
+    return f"{step:4d} " + " ".join(cells)
+
+
+def prepare_task_rows(workdir: Path, train_tasks: Path, val_tasks: Path) -> tuple[Path, Path]:
+    """Rows for ``main_ppo`` from two WebVoyager-format task files, through ``prepare_webvoyager_data.py``."""
+    from ..prepare_webvoyager_data import main as prepare
+
+    files = []
+    for name, tasks in (("train", train_tasks), ("val", val_tasks)):
+        out = workdir / f"data-{name}"
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            status = prepare(["--input", str(tasks), "--output-dir", str(out), "--val-fraction", "0"])
+        if status != 0:
+            raise RuntimeError(f"prepare_webvoyager_data.py refused {tasks} (exit {status})")
+        files.append(out / "train.jsonl")
+    return files[0], files[1]
+
+
+def tiny_policy_folder(workdir: Path, seed: int = 0) -> Path:
+    """The warm-started tiny policy for the shop tasks, built once per ``workdir`` (about a minute on 2 cores)."""
+    from . import tiny_policy
+
+    folder = workdir / f"tiny-policy-seed{seed}"
+    if not (folder / tiny_policy.REPORT_FILE).exists():
+        tiny_policy.build(folder, warm=tiny_policy.WarmStartSpec(seed=seed))
+    return folder
+
+
+def _parser() -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gym_browser.testing.training_run",
+        description="Train a policy for a few steps with verl's real main_ppo and this recipe, on this machine: the "
+        "local Corner Shop site, a real nemo-gym interactive_browser with headless Chromium on 127.0.0.1, the fault "
+        "proxy injecting infrastructure failures, BrowserToolAgentLoop and grpo_env_aware. Prints one line per step.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""\
+examples:
+  # two steps of the warm-started tiny policy on the CPU backend (a few minutes on 2 cores)
+  python -m nemo_gym_browser.testing.training_run --workdir /tmp/train
+
+  # 30 % of training episodes spoiled by the environment (verify answers 503; never the held-back tasks that
+  # validation runs), stock GRPO instead of the recipe
+  python -m nemo_gym_browser.testing.training_run --workdir /tmp/stock --fault-rate 0.3 --estimator grpo
+
+  # one GPU with vLLM (see scripts/gpu_check.sh)
+  python -m nemo_gym_browser.testing.training_run --workdir /tmp/gpu --rollout vllm \\
+      --model /models/Qwen2.5-0.5B-Instruct
+
+what is written to --workdir: the task rows, the tiny policy (unless --model), and run/ with main_ppo.log,
+metrics.jsonl (verl's own per-step metrics), advantages.jsonl (every sample's flag, score and advantage) and
+checkpoints/.
+
+The CPU backend (rollout hfcpu) stands in for vLLM on machines without a GPU; it is never meant for GPU nodes.
+exit status: 0 trained, 1 training failed, 2 usage error.""",
+    )
+    parser.add_argument("--workdir", type=Path, required=True, metavar="DIR")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="GRPO groups per step (default %(default)s)")
+    parser.add_argument("--group-size", type=int, default=4, help="episodes per group, rollout.n (default %(default)s)")
+    parser.add_argument("--estimator", choices=(RECIPE_ESTIMATOR, STOCK_ESTIMATOR), default=RECIPE_ESTIMATOR)
+    parser.add_argument(
+        "--fault-rate", type=float, default=0.0, help="share of sessions whose verify answers 503 (default 0)"
+    )
+    parser.add_argument("--lr", type=float, default=RunSpec.lr, help="default %(default)s")
+    parser.add_argument("--test-freq", type=int, default=-1, help="validate on the held-back tasks every N steps")
+    parser.add_argument("--rollout", default=CPU_ROLLOUT, help="rollout backend: hfcpu (CPU, default) or vllm")
+    parser.add_argument("--model", type=Path, help="a model folder (default: build and warm-start the tiny policy)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra hydra override")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..launch_environment import LocalEnvironment
+    from . import shop_tasks
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.prompts_per_step < 1 or args.group_size < 1:
+        parser.error("--steps, --prompts-per-step and --group-size must be at least 1")
+    if not 0.0 <= args.fault_rate <= 1.0:
+        parser.error("--fault-rate must be in [0, 1]")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    train, val = prepare_task_rows(workdir, shop_tasks.TRAIN_FILE, shop_tasks.HELD_BACK_FILE)
+    if args.model is None:
+        print("building and warm-starting the tiny policy ...", flush=True)
+    model = args.model.resolve() if args.model else tiny_policy_folder(workdir, args.seed)
+    print(f"model {model}; tasks {train} / held back {val}", flush=True)
+
+    with shop_tasks.serve(), LocalEnvironment() as environment:
+        held_back = frozenset(record["id"] for record in shop_tasks.task_records("heldback"))
+        rule = random_faults(args.fault_rate, args.seed, spare_tasks=held_back)
+        with InjectedFaults(environment.url, rule) as faults:
+            spec = RunSpec(
+                model_path=model,
+                train_file=train,
+                val_file=val,
+                server_urls=(faults.url,),
+                output_dir=workdir / "run",
+                steps=args.steps,
+                prompts_per_step=args.prompts_per_step,
+                group_size=args.group_size,
+                estimator=args.estimator,
+                lr=args.lr,
+                test_freq=args.test_freq,
+                val_before_train=args.test_freq > 0,
+                seed=args.seed,
+                rollout_name=args.rollout,
+                extra_overrides=tuple(args.override),
+            )
+            print(f"main_ppo: {spec.log_path}\n{summary_header()}", flush=True)
+            result = run_main_ppo(spec, timeout_s=args.timeout, on_line=_step_printer(spec))
+            left_open = faults.open_session_ids
+    print(f"main_ppo exited {result.returncode} after {result.elapsed_s:.0f} s; sessions left open: {len(left_open)}")
+    if not result.ok:
+        print(result.log_tail(40), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _step_printer(spec: RunSpec) -> Callable[[str], None]:
+    """Prints the summary line of each step as soon as verl logs it (the metrics file has it by then)."""
+    import re
+
+    printed: set[int] = set()
+    pattern = re.compile(r"\bstep:(\d+) - ")
+
+    def on_line(line: str) -> None:
+        match = pattern.search(line)
+        if match is None:
+            return
+        step = int(match.group(1))
+        metrics = read_step_metrics(spec.metrics_path).get(step)
+        if metrics is not None and step not in printed:
+            printed.add(step)
+            print(summary_line(step, metrics), flush=True)
+
+    return on_line
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

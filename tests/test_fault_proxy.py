@@ -73,6 +73,17 @@ async def test_a_whole_episode_passes_through_with_its_session_cookie_and_is_tra
     assert fake.open_sessions == 0
 
 
+async def test_rules_see_the_task_a_session_was_seeded_for_on_every_later_request(proxy, client):
+    seen = []
+    proxy.set_rule(lambda request: seen.append((request.endpoint, request.task_id)))
+
+    async with session(client) as s:
+        await s.observe()
+        await s.verify()
+
+    assert seen == [("seed_session", "t"), ("browser_observe", "t"), ("verify", "t"), ("close_session", "t")]
+
+
 async def test_a_5xx_fault_is_answered_by_the_proxy_and_never_reaches_the_server(proxy, fake, client):
     proxy.set_rule(faulting("browser_click", ProxyFault.status_code(503)))
 

@@ -1,0 +1,172 @@
+"""The main_ppo driver builds a command verl accepts, reads back what verl logged, and injects faults as planned.
+
+The real run is in tests/test_main_ppo.py (integration tier); here: the overrides composed by hydra with the
+recipe's config as ``main_ppo`` composes them, the metric files in verl's own format, the fault rules on the real
+proxy, the process-group handling.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_gym_browser.testing import training_run as tr
+
+
+def spec(tmp_path: Path, **changes) -> tr.RunSpec:
+    base = tr.RunSpec(
+        model_path=tmp_path / "model, with a comma",
+        train_file=tmp_path / "train.jsonl",
+        val_file=tmp_path / "val.jsonl",
+        server_urls=("http://127.0.0.1:8100", "http://127.0.0.1:8101"),
+        output_dir=tmp_path / "run",
+    )
+    return base.replace(**changes)
+
+
+def composed(spec: tr.RunSpec):
+    """The config hydra composes from the driver's overrides, as ``main_ppo`` does (nothing is started)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(tr.CONFIG_DIR), version_base=None):
+            return compose("webvoyager_grpo", overrides=tr.hydra_overrides(spec))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_the_cpu_command_composes_with_the_recipes_config_and_the_cpu_backend(tmp_path: Path) -> None:
+    run = spec(tmp_path, steps=3, prompts_per_step=2, group_size=4, save_freq=2)
+    config = composed(run)
+    assert config.algorithm.adv_estimator == "grpo_env_aware"
+    assert config.actor_rollout_ref.rollout.name == "hfcpu" and config.trainer.device == "cpu"
+    assert config.actor_rollout_ref.rollout.agent.default_agent_loop == "nemo_gym_browser_agent"
+    assert config.actor_rollout_ref.model.path == str(run.model_path)  # the comma stayed part of the path
+    assert list(config.nemo_gym_browser.environment.server_urls) == list(run.server_urls)
+    assert config.nemo_gym_browser.max_attempts == 3
+    assert config.trainer.total_training_steps == 3 and config.trainer.save_freq == 2
+    assert config.trainer.default_local_dir == str(run.checkpoint_dir)
+    assert config.data.train_batch_size == 2 and config.actor_rollout_ref.rollout.n == 4
+    assert "file" in config.trainer.logger
+
+
+def test_the_stock_arm_is_verls_grpo_with_the_recipes_wiring_off_and_one_attempt(tmp_path: Path) -> None:
+    run = spec(tmp_path, estimator="grpo")
+    config = composed(run)
+    assert config.algorithm.adv_estimator == "grpo"
+    assert config.nemo_gym_browser.max_attempts == 1
+    env = tr.process_environment(run, base={})
+    assert env["NEMO_GYM_BROWSER_PATCHES"] == "0" and env["NEMO_GYM_BROWSER_DROP_INVALID"] == "0"
+    recipe_env = tr.process_environment(spec(tmp_path, drop_invalid=True), base={})
+    assert recipe_env["NEMO_GYM_BROWSER_PATCHES"] == "1" and recipe_env["NEMO_GYM_BROWSER_DROP_INVALID"] == "1"
+
+
+def test_a_gpu_command_names_the_rollout_and_leaves_the_cpu_backend_out(tmp_path: Path) -> None:
+    run = spec(tmp_path, rollout_name="vllm")
+    overrides = tr.hydra_overrides(run)
+    assert "actor_rollout_ref.rollout.name=vllm" in overrides
+    assert not any(o.startswith(("trainer.device=", "+ray_kwargs")) for o in overrides)
+    env = tr.process_environment(run, base={})
+    assert "VERL_PLATFORM" not in env and "VERL_USE_EXTERNAL_MODULES" not in env
+    config = composed(run)
+    assert config.actor_rollout_ref.rollout.name == "vllm" and config.trainer.n_gpus_per_node == 1
+
+
+def test_every_process_of_the_run_logs_metrics_and_advantages_into_the_run_folder(tmp_path: Path) -> None:
+    run = spec(tmp_path)
+    env = tr.process_environment(run, base={"PYTHONPATH": "/elsewhere"})
+    assert env["VERL_FILE_LOGGER_PATH"] == str(run.output_dir / "metrics.jsonl")
+    assert env["NEMO_GYM_BROWSER_ADVANTAGE_LOG"] == str(run.output_dir / "advantages.jsonl")
+    assert env["PYTHONPATH"].split(":") == [str(tr.RECIPE_DIR), "/elsewhere"]
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # Ray keeps its loopback node address
+
+
+def test_metrics_of_one_step_logged_in_several_records_are_merged_by_step(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    records = [
+        {"step": 1, "data": {"env/samples": 8.0, "critic/score/mean": 0.25}},
+        {"step": 2, "data": {"env/samples": 8.0}},
+        {"step": 2, "data": {"val-core/webvoyager/reward/mean@1": 0.5}},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = tr.read_step_metrics(path)
+    assert steps == {
+        1: {"env/samples": 8.0, "critic/score/mean": 0.25},
+        2: {"env/samples": 8.0, "val-core/webvoyager/reward/mean@1": 0.5},
+    }
+    assert tr.metric(steps, 2, "val-core/webvoyager/reward/mean@1") == 0.5
+    assert tr.metric(steps, 3, "env/samples") != tr.metric(steps, 3, "env/samples")  # NaN when not logged
+    line = tr.summary_line(2, steps[2])
+    assert line.split()[0] == "2" and line.split()[-1] == "0.500"
+    assert len(line) == len(tr.summary_header())
+
+
+def request(endpoint: str, session_id: str | None, task_id: str | None = None):
+    return SimpleNamespace(endpoint=endpoint, session_id=session_id, task_id=task_id)
+
+
+def test_planned_faults_break_the_first_rollouts_of_a_row_on_their_planned_attempts_only() -> None:
+    rule = tr.planned_faults({3: tr.RowFault("verify", attempts=(1, 2), rollouts=1)})
+    first, second = "r3-aaaa", "r3-bbbb"
+    assert rule(request("seed_session", f"{first}.1.0")) is None  # the rollout is picked, but seed is not planned
+    assert rule(request("verify", f"{first}.1.0")).kind == "status"
+    assert rule(request("verify", f"{second}.1.1")) is None  # the row's quota of one rollout is taken
+    assert rule(request("verify", f"{first}.2.2")).kind == "status"
+    assert rule(request("verify", f"{first}.3.3")) is None  # attempt 3 is not planned
+    assert rule(request("verify", "r4-cccc.1.0")) is None  # another row
+    assert rule(request("verify", None)) is None
+
+
+def test_random_faults_hit_about_their_rate_the_same_way_every_time_and_spare_the_named_tasks() -> None:
+    sessions = [f"r{i}-{i:04x}.1.{i}" for i in range(2000)]
+    rule = tr.random_faults(0.3, seed=7)
+    hits = [rule(request("verify", s)) is not None for s in sessions]
+    assert 0.27 < sum(hits) / len(hits) < 0.33
+    assert hits == [tr.random_faults(0.3, seed=7)(request("verify", s)) is not None for s in sessions]
+    assert hits != [tr.random_faults(0.3, seed=8)(request("verify", s)) is not None for s in sessions]
+    assert not any(rule(request("seed_session", s)) for s in sessions)  # only the named endpoint
+    spared = tr.random_faults(1.0, seed=7, spare_tasks=frozenset({"held-back"}))
+    assert spared(request("verify", sessions[0], "held-back")) is None
+    assert spared(request("verify", sessions[0], "train")).kind == "status"
+    with pytest.raises(ValueError):
+        tr.random_faults(1.5, seed=0)
+
+
+def test_injected_faults_run_the_real_proxy_in_a_thread_and_count_what_they_injected() -> None:
+    from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+
+    with FakeEnvironmentServer().run_in_thread() as fake:
+        with tr.InjectedFaults(fake.url, lambda r: tr.random_faults(1.0, 0, "seed_session")(r)) as faults:
+            import urllib.error
+            import urllib.request
+
+            body = json.dumps({"resources_session_id": "r0-ab.1.0"}).encode()
+            post = urllib.request.Request(f"{faults.url}/seed_session", data=body, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(post, timeout=10)
+            assert answer.value.code == 503
+            assert faults.counts() == {"status": 1}
+            assert faults.open_session_ids == ()
+
+
+def test_a_run_past_its_timeout_is_stopped_with_its_whole_process_group(tmp_path: Path, monkeypatch) -> None:
+    run = spec(tmp_path)
+    marker = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time; "
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(marker)!r}, 'w').write(str(child.pid)); print('started', flush=True); time.sleep(600)"
+    )
+    monkeypatch.setattr(tr, "main_ppo_command", lambda spec, python=sys.executable: [python, "-c", script])
+    lines: list[str] = []
+    result = tr.run_main_ppo(run, timeout_s=5, on_line=lines.append)
+    assert not result.ok and lines == ["started"]
+    child = int(marker.read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    assert "started" in run.log_path.read_text()

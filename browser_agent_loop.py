@@ -47,6 +47,7 @@ Settings
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import json
@@ -56,7 +57,7 @@ import re
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -113,6 +114,10 @@ _BACKOFF_CAP_S = 30.0
 DEADLINE_MESSAGE = "The time limit of this episode has been reached; no further browser actions are possible."
 FINISHED_MESSAGE = "The task is already finished; no further browser actions are possible."
 ABANDONED_MESSAGE = "The browser environment failed; this attempt is abandoned."
+NO_JUDGE_REASON = (
+    "the task has no verifier_metadata and no judge is configured (JUDGE_ENABLE=0 / judge: null), so nothing can "
+    "score it; no episode was run"
+)
 
 _CURRENT_EPISODE: contextvars.ContextVar[BrowserEpisode | None] = contextvars.ContextVar(
     "nemo_gym_browser_current_episode", default=None
@@ -127,7 +132,8 @@ class BrowserLoopSettings:
     """Everything an operator tunes about browser episodes (agent-loop YAML kwargs + ``nemo_gym_browser`` section)."""
 
     environment: EnvironmentConfig
-    episode_deadline_s: float = 1800.0  # wall clock per attempt, from the seeded session to the last action
+    episode_deadline_s: float = 1800.0  # environment time per attempt (time inside the model's generate excluded)
+    session_hold_limit_s: float = 3600.0  # wall clock an attempt may hold its browser, generation included
     max_attempts: int = 3  # attempts per rollout, the first one included
     resample_backoff_s: float = 1.0  # wait before the second attempt (doubles per further attempt)
     drop_invalid: bool | None = None  # None: read NEMO_GYM_BROWSER_DROP_INVALID
@@ -144,6 +150,14 @@ class BrowserLoopSettings:
             raise ValueError("max_attempts must be at least 1")
         if self.resample_backoff_s < 0 or self.call_timeout_grace_s < 0:
             raise ValueError("resample_backoff_s and call_timeout_grace_s must not be negative")
+        # Environment time alone may legitimately reach the deadline plus one call in flight; a hold limit below
+        # that would turn a policy's deadline into an infrastructure timeout.
+        least_hold = self.episode_deadline_s + self.environment.call_timeout_s
+        if self.session_hold_limit_s < least_hold:
+            raise ValueError(
+                f"session_hold_limit_s={self.session_hold_limit_s:g} must be at least episode_deadline_s + "
+                f"environment.call_timeout_s = {least_hold:g} (and above the longest time the trainer holds generation)"
+            )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> BrowserLoopSettings:
@@ -374,22 +388,33 @@ def parse_observation(observation: str | None) -> tuple[str | None, str | None, 
 
 
 class BrowserEpisode:
-    """One attempt: its session, deadline, URL guard and what happened so far. Owned by the loop."""
+    """One attempt: its session, clocks, URL guard and what happened so far. Owned by the loop.
+
+    Two clocks start when the session is seeded. The *environment* clock stops while the model generates
+    (:meth:`model_time`): the deadline (``deadline_s``) is measured on it, so time the trainer takes (generation
+    paused, a request queued in the inference server) never becomes a policy outcome. The *hold* clock never
+    stops: past ``hold_limit_s`` the attempt has kept its browser too long, an infrastructure ``timeout``.
+    """
 
     def __init__(
         self,
         *,
         session: BrowserSession,
         guard: UrlGuard,
-        deadline: float,
+        deadline_s: float,
+        hold_limit_s: float,
         call_bound_s: float,
         label: str,
     ) -> None:
         self.session = session
         self.guard = guard
-        self.deadline = deadline
+        self.deadline_s = deadline_s
+        self.hold_limit_s = hold_limit_s
         self.call_bound_s = call_bound_s
         self.label = label
+        self.started = time.monotonic()
+        self.model_s = 0.0  # finished generations
+        self._generating_since: float | None = None
         self.failure: EnvironmentFailure | None = None
         self.deadline_hit = False
         self.finished = False
@@ -406,8 +431,37 @@ class BrowserEpisode:
         """No further action or generation makes sense (infrastructure failed, deadline passed, task finished)."""
         return self.failure is not None or self.deadline_hit or self.finished
 
+    def environment_s(self) -> float:
+        """Seconds on the environment clock: held so far, less the time spent inside the model's generate."""
+        now = time.monotonic()
+        generating = now - self._generating_since if self._generating_since is not None else 0.0
+        return now - self.started - self.model_s - generating
+
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        """Environment time left before the deadline."""
+        return self.deadline_s - self.environment_s()
+
+    def hold_remaining(self) -> float:
+        """Wall-clock time left before the attempt has held its browser too long."""
+        return self.hold_limit_s - (time.monotonic() - self.started)
+
+    @contextlib.contextmanager
+    def model_time(self) -> Iterator[None]:
+        """Stop the environment clock while the model generates."""
+        self._generating_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.model_s += time.monotonic() - self._generating_since
+            self._generating_since = None
+
+    def held_too_long(self, where: str) -> EnvironmentFailure:
+        held = time.monotonic() - self.started
+        return EnvironmentFailure(
+            FailureKind.TIMEOUT,
+            f"session {self.session.session_id} held open {held:.1f}s (session_hold_limit_s={self.hold_limit_s:g}) "
+            f"at {where}; {self.model_s:.1f}s of it in the model's generate (paused or queued by the trainer)",
+        )
 
     def fail(self, failure: EnvironmentFailure) -> None:
         if self.failure is None:
@@ -437,6 +491,9 @@ class BrowserEpisode:
         if self.remaining() <= 0:
             self.hit_deadline("a tool call")
             return DEADLINE_MESSAGE
+        if self.hold_remaining() <= 0:
+            self.fail(self.held_too_long(tool))
+            return ABANDONED_MESSAGE
         if tool == "browser_navigate" and isinstance(arguments.get("url"), str):
             try:
                 await self.guard.check(arguments["url"])
@@ -646,6 +703,99 @@ class LenientHermesToolParser(HermesToolParser):
         return FunctionCall(name=guessed.group(1) if guessed else "", arguments=block.strip())
 
 
+# ----- cancelling a cut generation on the rollout server ----------------------------------------------------
+
+# The rollout-server requests (Ray ObjectRefs) of the generation running in this context.
+_ROLLOUT_REQUESTS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "nemo_gym_browser_rollout_requests", default=None
+)
+_TRACKING_ATTRIBUTE = "_nemo_gym_browser_tracks_requests"
+
+
+class _TrackedGenerate:
+    """``server.generate`` of a rollout server's actor handle that notes each request it submits."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        ref = self._method.remote(*args, **kwargs)
+        requests = _ROLLOUT_REQUESTS.get()
+        if requests is not None:
+            requests.append(ref)
+        return ref
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._method, name)
+
+
+class _TrackedServer:
+    """A rollout server's actor handle whose ``generate`` requests are noted; everything else passes through."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    @property
+    def generate(self) -> _TrackedGenerate:
+        return _TrackedGenerate(self._handle.generate)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+def track_rollout_requests(client: Any) -> bool:
+    """Let a cut generation be cancelled on the rollout server behind verl's ``LLMServerClient``.
+
+    verl 0.9.1's client awaits ``server.generate.remote(...)`` on a Ray actor handle it gets from
+    ``_acquire_server``, with a fresh vLLM request id per turn that it does not expose. Cancelling the task that
+    awaits such a request does not cancel the actor's task (Ray: cancelling the future of an ObjectRef leaves
+    the task running), so vLLM would decode a cut generation to its end for nobody, and a request parked while
+    the trainer pauses generation would start once it resumes. The handle is wrapped, once per client object, so
+    the loop learns each request's ObjectRef and can ``ray.cancel`` it (which cancels the server's ``generate``
+    coroutine; vLLM aborts a request whose generator is cancelled). Returns whether the client is tracked.
+    """
+    acquire = getattr(client, "_acquire_server", None)
+    if acquire is None:
+        return False
+    if getattr(client, _TRACKING_ATTRIBUTE, False):
+        return True
+
+    async def acquire_tracked(request_id: str, **extra: Any) -> tuple[str, Any]:
+        server_id, handle = await acquire(request_id, **extra)
+        return server_id, _TrackedServer(handle)
+
+    client._acquire_server = acquire_tracked
+    setattr(client, _TRACKING_ATTRIBUTE, True)
+    return True
+
+
+def _cancel_rollout_requests(requests: list[Any], label: str) -> None:
+    if not requests:
+        return
+    import ray  # only reached with verl's Ray-backed client
+
+    for ref in requests:
+        try:
+            ray.cancel(ref)
+        except Exception as exc:  # a request already finished or its server gone: nothing left to stop
+            logger.debug("%s: cancelling a rollout-server request failed: %r", label, exc)
+    logger.info("%s: cancelled %d rollout-server request(s) of a cut generation", label, len(requests))
+
+
+async def generate_within(generation: Awaitable[Any], timeout_s: float, label: str) -> Any:
+    """Await ``generation`` for at most ``timeout_s``; a generation cut by the timeout or by cancellation is also
+    cancelled on the rollout server (see :func:`track_rollout_requests`), never left running."""
+    requests: list[Any] = []
+    token = _ROLLOUT_REQUESTS.set(requests)  # asyncio.wait_for's task copies this context
+    try:
+        return await asyncio.wait_for(generation, timeout_s)
+    except BaseException:
+        _cancel_rollout_requests(requests, label)
+        raise
+    finally:
+        _ROLLOUT_REQUESTS.reset(token)
+
+
 # ----- the agent loop -----------------------------------------------------------------------------------------
 
 
@@ -684,16 +834,19 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 "to configs/browser_tool.yaml (or configs/browser_native_tools.yaml)"
             )
         self._judge = BinaryJudge.shared(self.settings.judge) if self.settings.judge is not None else None
+        if not track_rollout_requests(self.server_manager):
+            _warn_once(
+                "untracked-server-manager",
+                "the server manager %s has no _acquire_server: a generation cut at session_hold_limit_s is cancelled "
+                "in this process only",
+                type(self.server_manager).__name__,
+                level=logging.INFO,
+            )
 
     # --- the rollout -------------------------------------------------------------------------------------------
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list[AgentLoopOutput]:
         spec = EpisodeSpec.from_tools_kwargs(kwargs.get("tools_kwargs"))
-        if spec.verifier_metadata is None and self._judge is None:
-            raise ValueError(
-                f"task {spec.task_id!r} has no verifier_metadata, so it needs the judge, and no judge is configured "
-                "(set judge in configs/agent_loop.yaml or the nemo_gym_browser section)"
-            )
         under_v1 = running_under_v1_trainer(kwargs)
         rollout_id = f"r{kwargs.get('index', 'x')}-{uuid.uuid4().hex[:16]}"
         started = time.monotonic()
@@ -701,7 +854,18 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         timings = {"generate_sequences": 0.0, "tool_calls": 0.0}
         outcome = _AttemptOutcome(output=None, failure=None)
         attempt = 0
-        for attempt in range(1, self.settings.max_attempts + 1):
+        unscorable = spec.verifier_metadata is None and self._judge is None
+        if unscorable:
+            # Nothing could score the episode: spend no browser and no model call on it (0 attempts).
+            _warn_once(
+                "no-judge",
+                "task %s has no verifier_metadata and no judge is configured (JUDGE_ENABLE=0 / judge: null): such "
+                "rollouts are flagged judge_unusable without an episode; set a judge or give every task "
+                "verifier_metadata",
+                spec.task_id,
+            )
+            outcome.failure = EnvironmentFailure(FailureKind.JUDGE_UNUSABLE, NO_JUDGE_REASON)
+        for attempt in range(1, (0 if unscorable else self.settings.max_attempts) + 1):
             if attempt > 1 and self.settings.resample_backoff_s > 0:
                 await asyncio.sleep(min(self.settings.resample_backoff_s * 2 ** (attempt - 2), _BACKOFF_CAP_S))
             outcome = await self._run_attempt(sampling_params, kwargs, spec, rollout_id, attempt)
@@ -711,6 +875,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if outcome.failure is None:
                 break
             failed_kinds.append(outcome.failure.kind.value)
+            # The judge was already asked again on the same evidence; a new episode would give it nothing new.
+            final = attempt == self.settings.max_attempts or outcome.failure.kind is FailureKind.JUDGE_UNUSABLE
             logger.warning(
                 "rollout %s task %s: attempt %d/%d failed (%s)%s",
                 rollout_id,
@@ -718,8 +884,10 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 attempt,
                 self.settings.max_attempts,
                 outcome.failure.kind.value,
-                ", resampling" if attempt < self.settings.max_attempts else ", giving up",
+                ", giving up" if final else ", resampling",
             )
+            if final:
+                break
 
         invalid = outcome.failure is not None
         if invalid and drop_invalid_enabled(self.settings.drop_invalid):
@@ -785,7 +953,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 episode = BrowserEpisode(
                     session=session,
                     guard=UrlGuard(self.settings.url_policy, start_url),
-                    deadline=time.monotonic() + self.settings.episode_deadline_s,
+                    deadline_s=self.settings.episode_deadline_s,
+                    hold_limit_s=self.settings.session_hold_limit_s,
                     call_bound_s=self.settings.environment.call_timeout_s + self.settings.call_timeout_grace_s,
                     label=label,
                 )
@@ -864,17 +1033,54 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             return await super()._handle_generating_state(agent_data, sampling_params, ignore_termination)
         if episode.over:
             return AgentState.TERMINATED
-        remaining = episode.remaining()
-        if remaining <= 0:
+        if episode.remaining() <= 0:
             episode.hit_deadline("generation")
             return AgentState.TERMINATED
-        try:
-            return await asyncio.wait_for(
-                super()._handle_generating_state(agent_data, sampling_params, ignore_termination), remaining
-            )
-        except asyncio.TimeoutError:
-            episode.hit_deadline("generation")
+        hold_left = episode.hold_remaining()
+        if hold_left <= 0:
+            episode.fail(episode.held_too_long("generation"))
             return AgentState.TERMINATED
+        # The deadline never cuts a generation (its time is the model's, or the trainer's while it holds it);
+        # only the hold limit does, and then the request is cancelled on the rollout server.
+        with episode.model_time():
+            try:
+                state = await generate_within(
+                    super()._handle_generating_state(agent_data, sampling_params, ignore_termination),
+                    hold_left,
+                    episode.label,
+                )
+            except asyncio.TimeoutError:
+                episode.fail(episode.held_too_long("generation"))
+                return AgentState.TERMINATED
+        if state is AgentState.TERMINATED and self._stopped_at_turn_limit(agent_data):
+            await self._finish_from_last_turn(agent_data, episode)
+        return state
+
+    def _stopped_at_turn_limit(self, agent_data: AgentData) -> bool:
+        """verl ended the episode at its turn limit, before parsing the last turn's tool calls, with the whole
+        turn inside the response (a turn cut at ``response_length`` is not in the sample, so it cannot count)."""
+        if len(agent_data.response_mask) >= self.response_length:
+            return False
+        assistant_limit = bool(self.max_assistant_turns) and agent_data.assistant_turns >= self.max_assistant_turns
+        user_limit = bool(self.max_user_turns) and agent_data.user_turns >= self.max_user_turns
+        return assistant_limit or user_limit
+
+    async def _finish_from_last_turn(self, agent_data: AgentData, episode: BrowserEpisode) -> None:
+        """Run a ``finish`` among the last turn's tool calls, so its answer reaches verify or the judge.
+
+        Only a finish: another action's page would never be read. The calls verl would have run are the first
+        ``max_parallel_calls``; no tool turn is added, so the response still ends on the model's own tokens.
+        """
+        tools = getattr(agent_data, "_active_tools", self.tools)
+        schemas = [tool.tool_schema for tool in tools.values()]
+        _, calls = await self.tool_parser.extract_tool_calls(agent_data.response_ids, schemas)
+        for call in calls[: self.max_parallel_calls]:
+            if not isinstance(tools.get(call.name), BrowserTool):
+                continue
+            parsed = parse_tool_call(call.name, call.arguments)
+            if isinstance(parsed, tuple) and parsed[0] == "browser_finish":
+                logger.info("%s: finish in the last allowed turn, run after verl's turn limit", episode.label)
+                await episode.act(call.name, call.arguments)
 
     async def _handle_processing_tools_state(self, agent_data: AgentData) -> AgentState:
         # verl rebinds (never mutates) these lists when it merges the tool turn, so references are a snapshot.

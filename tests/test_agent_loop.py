@@ -16,7 +16,7 @@ import time
 import pytest
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
-from nemo_gym_browser.browser_agent_loop import DROP_INVALID_ENV
+from nemo_gym_browser.browser_agent_loop import DROP_INVALID_ENV, BrowserLoopSettings
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
 from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer, Fault
@@ -289,17 +289,60 @@ async def test_under_the_legacy_trainer_the_drop_switch_keeps_the_sample_flagged
     assert any(DROP_INVALID_ENV in m and "legacy trainer" in m for m in errors)
 
 
-# ----- the deadline: a policy outcome -------------------------------------------------------------------------
+# ----- the deadline: environment time, a policy outcome; the session hold limit: infrastructure -----------------
 
 
-async def test_the_deadline_ends_a_slow_episode_within_a_small_margin_and_it_is_scored_as_it_stands(h):
+class HeldPolicy(sp.ScriptedPolicy):
+    """A server manager whose ``generate`` the trainer holds: the turn ``held_turn`` waits ``hold_s`` inside generate
+    (a colocate_async training phase, or a request queued in the inference server). Records cancelled requests."""
+
+    def __init__(self, tokenizer, script, *, held_turn: int, hold_s: float) -> None:
+        super().__init__(tokenizer, script, think_time_s=lambda view: hold_s if view.turn == held_turn else 0.0)
+        self.cancelled = 0
+
+    async def generate(self, request_id, **kwargs):
+        try:
+            return await super().generate(request_id, **kwargs)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def held_loop(h, script, *, held_turn=1, hold_s=2.0, environment=None, **settings):
+    policy = HeldPolicy(h.tokenizer, script, held_turn=held_turn, hold_s=hold_s)
+    settings.setdefault("resample_backoff_s", 0)
+    loop = build_loop(
+        policy,
+        tokenizer=h.tokenizer,
+        tools=h.tools,
+        trainer_config=h.trainer_config,
+        environment={"server_urls": [h.server.url], **FAST_ENV, **(environment or {})},
+        **settings,
+    )
+    return loop, policy
+
+
+async def test_a_generation_held_by_the_trainer_far_past_the_deadline_does_not_end_the_episode(h):
+    loop, policy = held_loop(h, WALK, held_turn=1, hold_s=2.0, episode_deadline_s=0.5)
+
+    output = await loop.run(SAMPLING, **make_row(task="Open the About page", verifier_metadata=ABOUT))
+
+    # Four deadlines passed inside generate; none of it was the environment's time, so nothing was cut.
+    assert flags(output) == {**VALID_VERIFY, "env_attempts": 1}
+    assert output.reward_score == 1.0 and policy.cancelled == 0
+    assert h.server.events(h.server.session_ids[0]) == ["seed", "observe", "click", "finish", "verify", "close"]
+
+
+async def test_the_deadline_ends_an_episode_whose_browser_time_runs_out_and_it_is_scored_as_it_stands(h):
     deadline = 0.6
+    h.server.set_latency(0.1, "browser_observe")
     started = time.monotonic()
 
     output, policy = await h.run(sp.repeat(sp.observe()), think_time_s=0.05, episode_deadline_s=deadline)
 
     elapsed = time.monotonic() - started
-    assert deadline <= elapsed < deadline + 1.0  # the margin covers verify and close on a loaded machine
+    # The clock counts browser time only: the model's 0.05 s per turn comes on top of it.
+    assert deadline <= elapsed < deadline + policy.calls * 0.05 + 1.0
     assert flags(output) == {**VALID_VERIFY, "deadline_hit": True, "env_attempts": 1}
     assert output.reward_score == 0.0  # never reached the About page: a legitimate zero
     assert policy.calls > 3
@@ -333,14 +376,48 @@ async def test_a_call_hanging_across_the_deadline_is_an_infrastructure_timeout_n
     assert h.all_closed()
 
 
-async def test_a_generation_slower_than_the_deadline_is_cut_and_the_sample_stays_valid(h):
-    output, _ = await h.run(WALK, think_time_s=5.0, episode_deadline_s=0.3)
+async def test_a_session_held_open_past_its_hold_limit_by_a_held_generation_is_an_infrastructure_timeout(h):
+    loop, policy = held_loop(
+        h,
+        WALK,
+        held_turn=1,
+        hold_s=30.0,
+        max_attempts=2,
+        episode_deadline_s=0.2,
+        session_hold_limit_s=0.5,
+        environment={"call_timeout_s": 0.2},
+    )
+    started = time.monotonic()
 
-    assert flags(output) == {**VALID_VERIFY, "deadline_hit": True, "env_attempts": 1}
-    assert output.reward_score == 0.0
-    # No generation finished: one masked token stands in for the response (not the prompt verl would copy).
-    assert output.response_mask == [0] and len(output.response_ids) == 1
-    assert h.server.events(h.server.session_ids[0]) == ["seed", "verify", "close"]
+    output = await loop.run(SAMPLING, **make_row(task="Open the About page", verifier_metadata=ABOUT))
+
+    # Each attempt gave its browser back at the hold limit; the trainer's hold is never a policy zero.
+    assert time.monotonic() - started < 2 * 0.5 + 1.5
+    assert flags(output) == {
+        "env_invalid": True,
+        "env_failure_kind": "timeout",
+        "env_attempts": 2,
+        "deadline_hit": False,
+        "reward_source": None,
+    }
+    assert "held open" in output.extra_fields["env_failure_reason"]
+    assert output.extra_fields["env_failed_attempt_kinds"] == ["timeout", "timeout"]
+    # The held generation was cancelled, not abandoned to run on for nobody.
+    assert policy.cancelled == 2
+    assert len(h.server.session_ids) == 2 and h.all_closed()
+    assert h.server.events(h.server.session_ids[0]) == ["seed", "observe", "close"]
+
+
+def test_the_hold_limit_must_leave_room_for_the_deadline_and_one_call():
+    environment = {"server_urls": ["http://127.0.0.1:1"], "call_timeout_s": 10}
+    with pytest.raises(ValueError, match="session_hold_limit_s=65 must be at least"):
+        BrowserLoopSettings.from_mapping(
+            {"environment": environment, "episode_deadline_s": 60, "session_hold_limit_s": 65}
+        )
+    settings = BrowserLoopSettings.from_mapping(
+        {"environment": environment, "episode_deadline_s": 60, "session_hold_limit_s": 70}
+    )
+    assert settings.session_hold_limit_s == 70
 
 
 # ----- policy outcomes stay valid -----------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from nemo_gym_browser import browser_agent_loop
 from nemo_gym_browser.judge import BinaryJudge, JudgeConfig
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.testing import scripted_policy as sp
@@ -84,20 +87,44 @@ async def test_a_judge_failure_is_a_valid_zero(rollout, judge_server):
     assert output.extra_fields["reward_source"] == "judge" and output.extra_fields["env_invalid"] is False
 
 
-async def test_an_unusable_verdict_is_an_infrastructure_failure_that_is_resampled(rollout, env, judge_server):
+async def test_an_unusable_verdict_is_judged_again_on_the_same_evidence_without_a_new_episode(
+    rollout, env, judge_server
+):
     judge_server.script(fj.hedge(), fj.verdict(True))
 
-    output = await rollout(max_attempts=2)
+    output = await rollout(max_attempts=3, judge={"max_attempts": 2})
 
-    assert output.reward_score == 1.0 and output.extra_fields["env_attempts"] == 2
+    assert output.reward_score == 1.0 and output.extra_fields["reward_source"] == "judge"
+    assert output.extra_fields["env_attempts"] == 1 and output.extra_fields["env_failed_attempt_kinds"] == []
+    assert len(env.session_ids) == 1 and env.calls("seed_session") == 1
+    assert len(judge_server.chat_requests) == 2
+
+
+@pytest.mark.parametrize("down_for", [3, 5], ids=["judge-back-after-one-episode", "judge-down-longer"])
+async def test_a_judge_that_stays_down_costs_one_episode_and_the_trajectory_is_kept_flagged(
+    rollout, env, judge_server, down_for
+):
+    # Down for all 3 requests of the judge's own retries: a new episode would have scored on the 4th request.
+    judge_server.script(*[fj.http_error(503)] * down_for, fj.verdict(True))
+
+    output = await rollout(max_attempts=3, judge={"max_attempts": 3})
+
+    assert env.calls("seed_session") == 1 and len(env.session_ids) == 1 and env.open_sessions == 0
+    assert len(judge_server.chat_requests) == 3
+    assert output.extra_fields["env_invalid"] is True
+    assert output.extra_fields["env_failure_kind"] == "judge_unusable"
+    assert output.extra_fields["env_attempts"] == 1
     assert output.extra_fields["env_failed_attempt_kinds"] == ["judge_unusable"]
-    assert len(env.session_ids) == 2 and env.open_sessions == 0
+    assert "503" in output.extra_fields["env_failure_reason"]
+    assert output.extra_fields["reward_source"] is None and output.reward_score == 0.0
+    # The trajectory stays whole (the model's own tokens), out of the loss and the baseline.
+    assert len(output.response_mask) > 1 and set(output.response_mask) == {0}
 
 
 async def test_a_judge_that_never_gives_a_usable_verdict_leaves_the_sample_invalid_not_zero(rollout, judge_server):
     judge_server.script(fj.http_error(500), fj.both_tokens())
 
-    output = await rollout(max_attempts=2)
+    output = await rollout(max_attempts=2, judge={"max_attempts": 2})
 
     assert output.extra_fields["env_invalid"] is True
     assert output.extra_fields["env_failure_kind"] == "judge_unusable"
@@ -112,18 +139,32 @@ async def test_a_task_with_verifier_metadata_is_verified_even_when_a_judge_is_co
     assert judge_server.chat_requests == []
 
 
-async def test_an_open_ended_task_without_a_configured_judge_fails_loudly_before_opening_a_session(
-    env, tokenizer, tools, trainer_config
+async def test_an_open_ended_task_without_a_configured_judge_is_flagged_judge_unusable_without_an_episode(
+    env, tokenizer, tools, trainer_config, caplog, monkeypatch
 ):
-    loop = build_loop(
-        sp.ScriptedPolicy(tokenizer, WALK),
-        tokenizer=tokenizer,
-        tools=tools,
-        trainer_config=trainer_config,
-        environment={"server_urls": [env.url]},
-    )
+    monkeypatch.setattr(browser_agent_loop, "_warned", set())
+    policy = sp.ScriptedPolicy(tokenizer, WALK)
+    outputs = []
+    with caplog.at_level(logging.WARNING, logger="nemo_gym_browser.browser_agent_loop"):
+        for index in range(3):
+            loop = build_loop(
+                policy,
+                tokenizer=tokenizer,
+                tools=tools,
+                trainer_config=trainer_config,
+                environment={"server_urls": [env.url]},
+            )
+            outputs.append(await loop.run(SAMPLING, **{**OPEN_ENDED, "index": index}, global_steps=4))
 
-    with pytest.raises(ValueError, match="no verifier_metadata, so it needs the judge"):
-        await loop.run(SAMPLING, **OPEN_ENDED)
-
-    assert env.calls() == 0
+    for output in outputs:
+        assert output.extra_fields["env_invalid"] is True
+        assert output.extra_fields["env_failure_kind"] == "judge_unusable"
+        assert "no judge is configured" in output.extra_fields["env_failure_reason"]
+        assert output.extra_fields["reward_source"] is None and output.reward_score == 0.0
+        assert output.extra_fields["env_attempts"] == 0
+        assert output.response_mask == [0]
+        assert output.extra_fields["min_global_steps"] == 4
+    # No browser and no model call is spent on an episode nothing can score.
+    assert env.calls() == 0 and policy.calls == 0
+    said = [r.getMessage() for r in caplog.records if "no judge is configured" in r.getMessage()]
+    assert len(said) == 1

@@ -1,0 +1,110 @@
+"""A CPU trainer backend so verl 0.9.1's real ``python -m verl.trainer.main_ppo`` runs on a machine without a GPU.
+
+What it is, and what it is not
+    A stand-in for vLLM (and for the CUDA platform) on machines without a GPU, for tests, CI and the local
+    rehearsal. It trains tiny models slowly and honestly; it is never a default and never belongs on a GPU node:
+    nothing selects it unless the environment and overrides below are given, and both halves refuse to start on
+    a host where ``torch.cuda.is_available()`` unless ``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1`` (selecting it on a
+    GPU node is a configuration mistake that would silently train on the CPU).
+
+The two halves (``plugin`` registers both in every process that imports verl)
+    * ``platform``: a verl platform named ``cpu`` (``VERL_PLATFORM=cpu``): ``torch.cpu`` as the device module,
+      gloo for collectives, and two narrow workarounds for verl 0.9.1 on CPU, installed only with that platform.
+    * ``rollout``: a rollout backend named ``hfcpu`` (``actor_rollout_ref.rollout.name=hfcpu``): a Ray actor
+      (``server.HFCpuServer``) holding a Hugging Face transformers model, token-in/token-out, with verl's sampling
+      parameters, log-probs, EOS, abort and per-step weight updates from the actor.
+
+How to run ``main_ppo`` on CPU (one source of truth: :func:`cpu_env` and :func:`cpu_overrides`)
+    Environment (``cpu_env()``), exported before Ray starts so every Ray worker inherits it::
+
+        VERL_USE_EXTERNAL_MODULES=nemo_gym_browser.testing.cpu_backend.plugin  # registers cpu + hfcpu everywhere
+        VERL_PLATFORM=cpu                       # verl's explicit platform override
+        VERL_ENGINE_DEVICE=cuda                 # verl's FSDP engine is registered for cuda/npu only; its code is
+                                                # device-agnostic (it goes through the platform)
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0     # Ray keeps a 127.0.0.1 node address instead of the outward one
+        OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+    Hydra overrides (``cpu_overrides()``), besides the run's own data, model and batch sizes::
+
+        trainer.device=cpu trainer.nnodes=1 trainer.n_gpus_per_node=1
+        +ray_kwargs.ray_init.num_gpus=1          # a logical "GPU" resource: verl's resource pool counts only GPU/NPU
+        ray_kwargs.ray_init.num_cpus=16          # logical CPUs, so verl's many 1-CPU actors can be scheduled on 2 cores
+        +ray_kwargs.ray_init._node_ip_address=127.0.0.1 +ray_kwargs.ray_init.include_dashboard=False
+        actor_rollout_ref.rollout.name=hfcpu actor_rollout_ref.rollout.mode=async
+        actor_rollout_ref.rollout.tensor_model_parallel_size=1
+        actor_rollout_ref.rollout.dtype=float32  # bf16 matmuls are slow on most CPUs
+        +actor_rollout_ref.rollout.engine_kwargs.hfcpu.num_threads=1
+        actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2
+        +actor_rollout_ref.model.override_config.attn_implementation=sdpa   # no flash-attn on CPU
+        actor_rollout_ref.model.use_remove_padding=False                    # remove-padding needs flash-attn
+        transfer_queue.backend.SimpleStorage.num_data_storage_units=1
+
+    ``python -m nemo_gym_browser.testing.cpu_backend.main_ppo_cpu --workdir DIR`` builds a toy model, data and
+    reward and runs ``main_ppo`` with exactly these settings.
+
+Importing this package is cheap: no torch, verl or Ray import happens here.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FORCE_ENV",
+    "PLATFORM_NAME",
+    "PLUGIN_MODULE",
+    "ROLLOUT_NAME",
+    "THREADS_KEY",
+    "cpu_env",
+    "cpu_overrides",
+]
+
+PLATFORM_NAME = "cpu"
+ROLLOUT_NAME = "hfcpu"
+PLUGIN_MODULE = "nemo_gym_browser.testing.cpu_backend.plugin"
+# Lets both halves start on a host that has CUDA (for debugging the backend itself, never for training).
+FORCE_ENV = "NEMO_GYM_BROWSER_CPU_BACKEND_FORCE"
+# Where the rollout server reads its thread count: rollout.engine_kwargs is a free-form dict per backend.
+THREADS_KEY = "num_threads"
+
+
+def cpu_env(*, num_threads: int = 1) -> dict[str, str]:
+    """The environment variables ``main_ppo`` needs on CPU (merge them over ``os.environ`` before Ray starts)."""
+    threads = str(int(num_threads))
+    return {
+        "VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE,
+        "VERL_PLATFORM": PLATFORM_NAME,
+        "VERL_ENGINE_DEVICE": "cuda",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+def cpu_overrides(*, num_threads: int = 1, logical_cpus: int = 16, dtype: str = "float32") -> list[str]:
+    """The hydra overrides that put ``main_ppo`` on the ``cpu`` platform with the ``hfcpu`` rollout.
+
+    ``num_threads`` is the rollout server's torch thread count (keep it at 1 on a 2-core machine that also runs a
+    browser); ``logical_cpus`` is what Ray believes it has, so that verl's actors (one CPU each) can be placed.
+    """
+    return [
+        "trainer.device=cpu",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        "+ray_kwargs.ray_init.num_gpus=1",
+        f"ray_kwargs.ray_init.num_cpus={int(logical_cpus)}",
+        "+ray_kwargs.ray_init._node_ip_address=127.0.0.1",
+        "+ray_kwargs.ray_init.include_dashboard=False",
+        f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.dtype={dtype}",
+        f"+actor_rollout_ref.rollout.engine_kwargs.{ROLLOUT_NAME}.{THREADS_KEY}={int(num_threads)}",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.ref.strategy=fsdp2",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]

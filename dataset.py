@@ -116,6 +116,29 @@ def _sample(task: Task, index: int) -> dict[str, Any]:
     }
 
 
+def row_tool_names(sample: Mapping[str, Any]) -> list[str] | None:
+    """The tools a sample's row teaches (the names in its ``responses_create_params.tools``), None if it names none.
+
+    That list is how a row records the tool interface it was prepared for; the model is given the tools of the
+    trainer's tool config, so the two must agree (``preflight.py`` checks it).
+    """
+    extra_env_info = sample.get("extra_env_info")
+    rcp_extra = extra_env_info.get("_rcp_extra") if isinstance(extra_env_info, Mapping) else None
+    tools = rcp_extra.get("tools") if isinstance(rcp_extra, Mapping) else None
+    if not isinstance(tools, list) or not tools:
+        return None
+    names = []
+    for tool in tools:
+        if not isinstance(tool, Mapping):
+            continue
+        # Responses-API tools carry the name at the top; chat-completions tools under "function".
+        function = tool.get("function")
+        name = tool.get("name") or (function.get("name") if isinstance(function, Mapping) else None)
+        if isinstance(name, str) and name:
+            names.append(name)
+    return names or None
+
+
 def read_rows(path: Path) -> list[Task]:
     """Every non-blank line of one JSONL file as a validated task; the first bad line raises RowError."""
     tasks = []

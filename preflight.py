@@ -12,19 +12,29 @@ proves every override key exists) and hands the result to this CLI, which checks
 * ``agent-loop`` the default agent loop is in the agent-loop YAML, its class imports, and its settings (YAML kwargs
                  with the trainer config's ``nemo_gym_browser`` section on top) build, unknown keys rejected;
 * ``tools``      verl loads the tool config (``load_all_tools``), as each AgentLoopWorker will;
-* ``data``       verl resolves ``data.custom_cls``, the class loads every train and val row, and there is at least
-                 one full batch (verl drops the last incomplete one);
+* ``data``       verl resolves ``data.custom_cls``, the class loads every train and val row, the agent loop can
+                 read each row's episode, and there is at least one full batch (verl drops the last incomplete one);
+* ``interface``  every row teaches the tools the tool config gives the model: rows record the interface they were
+                 prepared for as the tools in ``responses_create_params.tools`` (``prepare_webvoyager_data.py
+                 --tool-interface``), and a prompt that teaches a tool the model is not given makes every call an
+                 "Unknown function" error, scored as an ordinary policy zero;
 * ``prompts``    when the model is a local folder: its chat template renders the tools, and every prompt, built as
                  the agent loop builds it, fits ``rollout.prompt_length`` (verl would silently cut its head: the
                  system prompt and the tools);
-* ``judge``      with ``--probe-judge`` and a judge configured: the endpoint lists the judge model.
+* ``judge``      without a judge, no row may lack ``verifier_metadata`` (nothing else could score it); with one,
+                 a loopback judge URL is refused on a multi-node run unless ``--judge-on-every-node`` says a judge
+                 serves it on every node (rollouts run on every node and each would reach its own); with
+                 ``--probe-judge``, the endpoint lists the judge model.
 
 With ``--ray-workers`` (once the Ray cluster is up, ``RAY_ADDRESS`` set) it runs one more check instead:
 
 * ``ray-workers`` a task pinned to every alive node reports what a Ray worker there sees: the drop switch
                  ``NEMO_GYM_BROWSER_DROP_INVALID`` with the value this process has, the recipe importable, the
-                 estimator registered, and the judge key variable present (never its value). Shell variables reach
-                 Ray workers only through the raylet's environment, so this is where a missing export shows.
+                 estimator registered, and the judge key variable present (never its value); with
+                 ``--probe-judge``, the judge endpoint answering from that node with the judge model, asked with the
+                 key the worker has. Shell variables reach Ray workers only through the raylet's environment, and
+                 rollouts (and their judge calls) run on every node, so this is where a missing export or an
+                 unreachable judge shows.
 
 Exit codes: 0 every check passed, 1 a check failed (each failure says what to change), 2 usage or unreadable input.
 """
@@ -34,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import ipaddress
 import json
 import os
 import sys
@@ -42,8 +53,10 @@ import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 # verl's own default model path: seeing it means the script's model override did not arrive.
 VERL_PLACEHOLDER_MODEL = "~/models/deepseek-llm-7b-chat"
@@ -61,7 +74,8 @@ examples:
       --cfg job > composed.yaml
   python preflight.py --config composed.yaml
   python preflight.py --config composed.yaml --probe-judge
-  RAY_ADDRESS=127.0.0.1:6379 python preflight.py --config composed.yaml --ray-workers
+  python preflight.py --config composed.yaml --probe-judge --judge-on-every-node   # a judge on 127.0.0.1 per node
+  RAY_ADDRESS=127.0.0.1:6379 python preflight.py --config composed.yaml --ray-workers --probe-judge
 
 exit codes: 0 all checks passed, 1 a check failed, 2 usage or unreadable input
 """
@@ -71,15 +85,26 @@ class CheckFailed(Exception):
     """A check found something to fix before the run."""
 
 
-class Context:
-    """What the checks share: the composed config and what earlier checks built."""
+@dataclass(frozen=True)
+class RowFacts:
+    """What the later checks need to know of one dataset row."""
 
-    def __init__(self, config: Any, probe_judge: bool):
+    location: str  # file:line (the recipe's dataset), else "<split> row <index>"
+    needs_judge: bool  # no verifier_metadata: only the judge can score its episodes
+    tool_names: tuple[str, ...] | None  # the tools its prompt teaches; None when the row names none
+
+
+class Context:
+    """What the checks share: the composed config, the command line's statements, and what earlier checks built."""
+
+    def __init__(self, config: Any, probe_judge: bool, judge_on_every_node: bool = False):
         self.config = config
         self.probe_judge = probe_judge
+        self.judge_on_every_node = judge_on_every_node
         self.settings: Any = None
         self.tool_schemas: list[dict[str, Any]] = []
         self.prompts: list[list[dict[str, Any]]] = []
+        self.rows: list[RowFacts] = []
         self.tokenizer: Any = None
 
 
@@ -154,11 +179,9 @@ def check_estimator(ctx: Context) -> str:
     return f"{name} registered"
 
 
-def check_agent_loop(ctx: Context) -> str:
-    from hydra.utils import get_class
+def _agent_loop_entry(ctx: Context) -> dict[str, Any]:
+    """The default agent loop's entry of the agent-loop YAML."""
     from omegaconf import OmegaConf
-
-    from nemo_gym_browser.browser_agent_loop import resolve_settings
 
     agent = ctx.config.actor_rollout_ref.rollout.agent
     entries = OmegaConf.to_container(OmegaConf.load(str(agent.agent_loop_config_path)), resolve=True)
@@ -171,15 +194,30 @@ def check_agent_loop(ctx: Context) -> str:
             f"default_agent_loop {agent.default_agent_loop!r} is not in {agent.agent_loop_config_path} "
             f"(it has {sorted(name for name in by_name if name)})"
         )
+    return entry
+
+
+def _resolve_settings(ctx: Context, entry: dict[str, Any]) -> Any:
+    """The loop's settings as every AgentLoopWorker builds them: YAML kwargs, the trainer config's section on top."""
+    from nemo_gym_browser.browser_agent_loop import resolve_settings
+
+    kwargs = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
+    try:
+        return resolve_settings(kwargs, ctx.config)
+    except (ValueError, TypeError) as exc:
+        raise CheckFailed(f"agent-loop settings (YAML + nemo_gym_browser section): {exc}") from exc
+
+
+def check_agent_loop(ctx: Context) -> str:
+    from hydra.utils import get_class
+
+    agent = ctx.config.actor_rollout_ref.rollout.agent
+    entry = _agent_loop_entry(ctx)
     try:
         get_class(entry["_target_"])
     except Exception as exc:  # hydra wraps import errors in several types
         raise CheckFailed(f"agent loop class {entry.get('_target_')!r} does not import: {exc}") from exc
-    kwargs = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
-    try:
-        ctx.settings = resolve_settings(kwargs, ctx.config)
-    except (ValueError, TypeError) as exc:
-        raise CheckFailed(f"agent-loop settings (YAML + nemo_gym_browser section): {exc}") from exc
+    ctx.settings = _resolve_settings(ctx, entry)
     urls = ", ".join(ctx.settings.environment.server_urls)
     judge = f"judge {ctx.settings.judge.model}" if ctx.settings.judge else "no judge"
     return f"{agent.default_agent_loop} ({entry['_target_']}); servers {urls}; {judge}"
@@ -213,6 +251,21 @@ def _load_rows(ctx: Context, dataset_cls: Any, files: Any, tokenizer: Any) -> An
         raise CheckFailed(f"{dataset_cls.__name__} rejected {data_files}: {exc}") from exc
 
 
+def _row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
+    from nemo_gym_browser.browser_agent_loop import EpisodeSpec
+    from nemo_gym_browser.dataset import row_tool_names
+
+    extra_info = sample.get("extra_info")
+    location = extra_info.get("source") if isinstance(extra_info, dict) else None
+    location = str(location or fallback_location)
+    try:
+        spec = EpisodeSpec.from_tools_kwargs(sample.get("tools_kwargs"))
+    except ValueError as exc:
+        raise CheckFailed(f"{location}: the agent loop cannot read this row's episode: {exc}") from exc
+    names = row_tool_names(sample)
+    return RowFacts(location, spec.verifier_metadata is None, None if names is None else tuple(names))
+
+
 def check_data(ctx: Context) -> str:
     from verl.utils.dataset.rl_dataset import get_dataset_class
 
@@ -230,11 +283,43 @@ def check_data(ctx: Context) -> str:
             f"{len(train)} train rows < data.train_batch_size={data.train_batch_size}: no full batch (verl drops "
             "the last incomplete batch), so the run would have no training step"
         )
-    for dataset in (train, val):
-        for index in range(min(len(dataset), MAX_PROMPTS_RENDERED)):
-            ctx.prompts.append(dataset[index]["raw_prompt"])
+    for split, dataset in (("train", train), ("val", val)):
+        for index in range(len(dataset)):
+            sample = dataset[index]
+            if index < MAX_PROMPTS_RENDERED:
+                ctx.prompts.append(sample["raw_prompt"])
+            ctx.rows.append(_row_facts(sample, f"{split} row {index}"))
     steps = len(train) // data.train_batch_size
     return f"{dataset_cls.__name__}: {len(train)} train rows ({steps} step(s) per epoch), {len(val)} val rows"
+
+
+def _interface(names: Any) -> str:
+    """How the user chose a tool set: ``browser``/``native`` for the recipe's two, else the names themselves."""
+    from nemo_gym_browser.prepare_webvoyager_data import tool_interface_of
+
+    return tool_interface_of(names) or str(sorted(names))
+
+
+def check_interface(ctx: Context) -> str:
+    tool_config = ctx.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    given = [schema["function"]["name"] for schema in ctx.tool_schemas]
+    named = [row for row in ctx.rows if row.tool_names is not None]
+    foreign = [row for row in named if not set(row.tool_names) <= set(given)]
+    if foreign:
+        first = foreign[0]
+        taught, configured = _interface(first.tool_names), _interface(given)
+        raise CheckFailed(
+            f"{len(foreign)} of {len(ctx.rows)} rows teach the tools of --tool-interface {taught} "
+            f"{list(first.tool_names)}, but {tool_config} gives the model the tools of TOOL_INTERFACE={configured} "
+            f'{given} (first at {first.location}): every call the prompt teaches would be an "Unknown function" '
+            f"error, scored as an ordinary policy zero. Set TOOL_INTERFACE={taught}, or prepare the data again with "
+            f"prepare_webvoyager_data.py --tool-interface {configured}"
+        )
+    if not named:
+        return f"not checked: none of the {len(ctx.rows)} rows names its tools (responses_create_params.tools)"
+    unnamed = len(ctx.rows) - len(named)
+    note = f"; {unnamed} row(s) name no tools (not checked)" if unnamed else ""
+    return f"{len(named)} rows teach the tools of --tool-interface {_interface(given)}, those of {tool_config}{note}"
 
 
 def check_prompts(ctx: Context) -> str:
@@ -272,34 +357,78 @@ def check_prompts(ctx: Context) -> str:
     return f"chat template renders {len(names)} tool(s); {len(lengths)} prompts fit {limit} tokens (longest {longest})"
 
 
-def check_judge(ctx: Context) -> str:
-    judge = ctx.settings.judge if ctx.settings is not None else None
-    if judge is None:
-        return "skipped: no judge configured"
-    if not ctx.probe_judge:
-        return f"configured ({judge.model} at {judge.base_url}); not probed"
-    request = urllib.request.Request(judge.base_url.rstrip("/") + "/models")
-    if judge.api_key_env:
-        key = os.environ.get(judge.api_key_env)
+def is_loopback_url(url: str) -> bool:
+    """Whether ``url`` names this machine whatever machine asks (localhost, 127.0.0.0/8, ::1, 0.0.0.0)."""
+    host = (urlsplit(url).hostname or "").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: whether every node reaches it is what the per-node probe finds out
+    return address.is_loopback or address.is_unspecified
+
+
+def probe_judge(base_url: str, model: str, api_key_env: str | None) -> str | None:
+    """None when ``GET {base_url}/models`` answers and lists ``model``; else what is wrong (never the key).
+
+    Runs in this process and, pickled with this script, inside a Ray worker on every node: self-contained on purpose.
+    """
+    request = urllib.request.Request(base_url.rstrip("/") + "/models")
+    if api_key_env:
+        key = os.environ.get(api_key_env)
         if not key:
-            raise CheckFailed(f"the judge key variable {judge.api_key_env} is not set")
+            return f"the judge key variable {api_key_env} is not set"
         request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=JUDGE_PROBE_TIMEOUT_S) as response:
             body = json.loads(response.read().decode("utf-8", "replace"))
     except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
-        raise CheckFailed(
-            f"judge endpoint {judge.base_url}/models did not answer ({exc}); start it, fix JUDGE_BASE_URL, "
-            "or set JUDGE_PROBE=0 if it starts later"
-        ) from exc
-    served = [item.get("id") for item in body.get("data", []) if isinstance(item, dict)]
-    if judge.model not in served:
-        raise CheckFailed(f"judge endpoint {judge.base_url} serves {served}, not {judge.model!r} (JUDGE_MODEL)")
+        return f"judge endpoint {base_url}/models did not answer ({exc})"
+    data = body.get("data") if isinstance(body, dict) else None
+    served = [item.get("id") for item in data or [] if isinstance(item, dict)]
+    if model not in served:
+        return f"judge endpoint {base_url} serves {served}, not {model!r} (JUDGE_MODEL)"
+    return None
+
+
+def check_judge(ctx: Context) -> str:
+    judge = ctx.settings.judge if ctx.settings is not None else None
+    if judge is None:
+        open_ended = [row for row in ctx.rows if row.needs_judge]
+        if open_ended:
+            raise CheckFailed(
+                f"{len(open_ended)} of {len(ctx.rows)} rows have no verifier_metadata, so only a judge can score "
+                f"them, and no judge is configured (JUDGE_ENABLE=0); first at {open_ended[0].location}. Configure a "
+                "judge (JUDGE_ENABLE=1, JUDGE_BASE_URL, JUDGE_MODEL) or give those tasks verifier_metadata"
+            )
+        return f"no judge configured; all {len(ctx.rows)} rows have verifier_metadata"
+    nodes = int(ctx.config.trainer.nnodes)
+    where = ""
+    if nodes > 1 and is_loopback_url(judge.base_url):
+        if not ctx.judge_on_every_node:
+            raise CheckFailed(
+                f"the judge URL {judge.base_url} is a loopback address, but this run has {nodes} nodes: rollouts run "
+                "on every node and each would call its own node, where no judge runs unless you start one (refused "
+                "connections, episodes flagged judge_unusable). Set JUDGE_BASE_URL to an address every node "
+                "reaches, or run a judge on every node at that URL and set JUDGE_ON_EVERY_NODE=1"
+            )
+        where = " on every node"
+    if not ctx.probe_judge:
+        return f"configured ({judge.model} at {judge.base_url}{where}); not probed"
+    problem = probe_judge(judge.base_url, judge.model, judge.api_key_env)
+    if problem is not None:
+        raise CheckFailed(f"{problem}; start it, fix JUDGE_BASE_URL, or set JUDGE_PROBE=0 if it starts later")
+    if where:
+        return f"{judge.base_url} serves {judge.model} on this node (one per node: Ray workers probe the others' own)"
     return f"{judge.base_url} serves {judge.model}"
 
 
-def _worker_view(estimator: str, judge_key_env: str | None) -> dict[str, Any]:
-    """What a Ray worker process sees (runs inside the worker; pickled by value with this script)."""
+def _worker_view(estimator: str, judge_key_env: str | None, judge: tuple[str, str] | None) -> dict[str, Any]:
+    """What a Ray worker process sees (runs inside the worker; pickled by value with this script).
+
+    ``judge`` is ``(base_url, model)`` to probe the judge from this node, as the rollouts here will call it.
+    """
     import importlib
     import socket
 
@@ -317,27 +446,33 @@ def _worker_view(estimator: str, judge_key_env: str | None) -> dict[str, Any]:
     except (ImportError, ValueError):
         view["estimator"] = False
     view["judge_key"] = bool(os.environ.get(judge_key_env)) if judge_key_env else None
+    view["judge_problem"] = probe_judge(judge[0], judge[1], judge_key_env) if judge is not None else None
     return view
 
 
 def check_ray_workers(ctx: Context) -> str:
+    """One task pinned to every alive node. Connects to ``RAY_ADDRESS`` (and disconnects after), or uses the
+    connection this process already has."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    judge = ctx.config.nemo_gym_browser.get("judge") if "nemo_gym_browser" in ctx.config else None
-    judge_key_env = judge.get("api_key_env") if judge else None
+    judge = ctx.settings.judge if ctx.settings is not None else _resolve_settings(ctx, _agent_loop_entry(ctx)).judge
+    judge_key_env = judge.api_key_env if judge is not None else None
+    judge_probe = (judge.base_url, judge.model) if judge is not None and ctx.probe_judge else None
     estimator = str(ctx.config.algorithm.adv_estimator)
     expected_switch = os.environ.get(DROP_SWITCH_ENV)
-    address = os.environ.get("RAY_ADDRESS")
-    if not address:
-        raise CheckFailed("RAY_ADDRESS is not set: start the Ray cluster first")
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    connect = not ray.is_initialized()
+    if connect:
+        address = os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise CheckFailed("RAY_ADDRESS is not set: start the Ray cluster first")
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
         nodes = [node for node in ray.nodes() if node["Alive"]]
         probe = ray.remote(num_cpus=0)(_worker_view)
         refs = [
             probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
-                estimator, judge_key_env
+                estimator, judge_key_env, judge_probe
             )
             for node in nodes
         ]
@@ -346,22 +481,36 @@ def check_ray_workers(ctx: Context) -> str:
         except ray.exceptions.GetTimeoutError as exc:
             raise CheckFailed(f"a Ray node ran no task within {RAY_PROBE_TIMEOUT_S:.0f} s") from exc
     finally:
-        ray.shutdown()
-    problems = []
+        if connect:
+            ray.shutdown()
+    exports, unreachable = [], []
     for view in views:
         host = view["host"]
         if view["drop_switch"] != expected_switch:
-            problems.append(f"{host}: {DROP_SWITCH_ENV}={view['drop_switch']!r}, expected {expected_switch!r}")
+            exports.append(f"{host}: {DROP_SWITCH_ENV}={view['drop_switch']!r}, expected {expected_switch!r}")
         if not view["package"]:
-            problems.append(f"{host}: nemo_gym_browser does not import in a Ray worker")
+            exports.append(f"{host}: nemo_gym_browser does not import in a Ray worker")
         if not view["estimator"]:
-            problems.append(f"{host}: estimator {estimator!r} is not registered in a Ray worker")
+            exports.append(f"{host}: estimator {estimator!r} is not registered in a Ray worker")
         if view["judge_key"] is False:
-            problems.append(f"{host}: the judge key variable {judge_key_env} is not set in a Ray worker")
+            exports.append(f"{host}: the judge key variable {judge_key_env} is not set in a Ray worker")
+        elif view["judge_problem"] is not None:
+            unreachable.append(f"{host}: {view['judge_problem']}")
+    problems = []
+    if exports:
+        problems.append("; ".join(exports) + " (export them before `ray start`)")
+    if unreachable:
+        problems.append(
+            "; ".join(unreachable) + " (rollouts on that node call the judge from there: give JUDGE_BASE_URL an "
+            "address every node reaches, or run a judge on every node; JUDGE_PROBE=0 if it starts later)"
+        )
     if problems:
-        raise CheckFailed("; ".join(problems) + " (export them before `ray start`)")
+        raise CheckFailed("; ".join(problems))
     hosts = ", ".join(sorted(view["host"] for view in views))
-    return f"{len(views)} node(s) ({hosts}): {DROP_SWITCH_ENV}={expected_switch}, recipe and {estimator} in place"
+    judged = f"; judge {judge.model} answers at {judge.base_url} on every node" if judge_probe else ""
+    return (
+        f"{len(views)} node(s) ({hosts}): {DROP_SWITCH_ENV}={expected_switch}, recipe and {estimator} in place" + judged
+    )
 
 
 CHECKS: tuple[tuple[str, Callable[[Context], str]], ...] = (
@@ -371,6 +520,7 @@ CHECKS: tuple[tuple[str, Callable[[Context], str]], ...] = (
     ("agent-loop", check_agent_loop),
     ("tools", check_tools),
     ("data", check_data),
+    ("interface", check_interface),
     ("prompts", check_prompts),
     ("judge", check_judge),
 )
@@ -380,13 +530,23 @@ RAY_CHECKS: tuple[tuple[str, Callable[[Context], str]], ...] = (("ray-workers", 
 
 
 def run_checks(
-    config: Any, *, probe_judge: bool = False, checks: tuple[tuple[str, Callable[[Context], str]], ...] = CHECKS
+    config: Any,
+    *,
+    probe_judge: bool = False,
+    judge_on_every_node: bool = False,
+    checks: tuple[tuple[str, Callable[[Context], str]], ...] = CHECKS,
 ) -> list[tuple[str, bool, str]]:
     """Run ``checks`` in order; a check that needs an earlier one's result is skipped if that one failed."""
-    ctx = Context(config, probe_judge)
+    ctx = Context(config, probe_judge, judge_on_every_node)
     results: list[tuple[str, bool, str]] = []
     failed: set[str] = set()
-    needs = {"prompts": {"tools", "data"}, "data": {"paths"}, "judge": {"agent-loop"}, "agent-loop": {"paths"}}
+    needs = {
+        "prompts": {"tools", "data"},
+        "interface": {"tools", "data"},
+        "data": {"paths"},
+        "judge": {"agent-loop", "data"},
+        "agent-loop": {"paths"},
+    }
     for name, check in checks:
         if needs.get(name, set()) & failed:
             results.append((name, False, f"not run: it needs {sorted(needs[name] & failed)}"))
@@ -413,6 +573,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, required=True, help="a config composed by main_ppo --cfg job (YAML)")
     parser.add_argument("--probe-judge", action="store_true", help="ask the judge endpoint for its model list")
     parser.add_argument(
+        "--judge-on-every-node",
+        action="store_true",
+        help="a judge serves the judge URL on every node: allows a loopback judge URL on a multi-node run",
+    )
+    parser.add_argument(
         "--ray-workers", action="store_true", help="only check what Ray workers on every node see (needs RAY_ADDRESS)"
     )
     return parser
@@ -428,7 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: cannot read {args.config}: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    results = run_checks(config, probe_judge=args.probe_judge, checks=RAY_CHECKS if args.ray_workers else CHECKS)
+    results = run_checks(
+        config,
+        probe_judge=args.probe_judge,
+        judge_on_every_node=args.judge_on_every_node,
+        checks=RAY_CHECKS if args.ray_workers else CHECKS,
+    )
     for name, ok, detail in results:
         print(f"preflight: {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
     failures = sum(not ok for _, ok, _ in results)

@@ -161,6 +161,20 @@ NATIVE_TOOL_SCHEMAS = [
 assert tuple(tool["name"] for tool in NATIVE_TOOL_SCHEMAS) == TOOL_NAMES
 
 
+def tool_interface_of(names: Iterable[str]) -> str | None:
+    """The ``--tool-interface`` whose tools are exactly ``names`` (``browser`` or ``native``), else None.
+
+    Rows record the interface they were prepared for as the tools in ``responses_create_params.tools``; the
+    submit script's ``TOOL_INTERFACE`` picks the tool config with the same names.
+    """
+    named = set(names)
+    if named == {BROWSER_TOOL}:
+        return "browser"
+    if named == set(TOOL_NAMES):
+        return "native"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Errors and tasks
 

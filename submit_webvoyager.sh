@@ -24,13 +24,15 @@
 #
 # What one job does, in order (every step is bounded in time and logged under LOG_DIR/RUN_ID):
 #   1. reads config.env (CONFIG_ENV=path or --config path) and checks it, the data files and the model folder
-#   2. composes the full verl config with every override (`main_ppo ... --cfg job`) and checks it (preflight.py)
+#   2. composes the full verl config with every override (`main_ppo ... --cfg job`) and checks it (preflight.py):
+#      every row readable, taught the tools TOOL_INTERFACE gives the model, and scorable (verifier_metadata, or a
+#      judge configured); a loopback judge URL on several nodes only with JUDGE_ON_EVERY_NODE=1
 #   3. starts ENV_SERVERS_PER_NODE NeMo Gym interactive_browser servers on EVERY node, on 127.0.0.1 ports
 #      ENV_BASE_PORT, ENV_BASE_PORT+1, ...: each node's rollout workers use the servers of their own node, so one
 #      list of loopback URLs is right everywhere and no browser server is ever exposed on the cluster network
 #   4. walks one smoke episode against every server, from its own node (smoke_environment.py)
 #   5. starts a Ray head on this node and one Ray worker per other node, waits until all have joined, and checks
-#      that a Ray worker on every node sees the drop switch, the recipe and its estimator
+#      that a Ray worker on every node sees the drop switch, the recipe and its estimator, and reaches the judge
 #   6. --dry-run stops here (exit 0); otherwise `python -m verl.trainer.main_ppo` with the recipe's config
 #   and on exit, failure or cancellation stops every process it started, by PID.
 set -euo pipefail
@@ -157,6 +159,7 @@ NNODES="${SLURM_JOB_NUM_NODES:-1}"
 : "${JUDGE_TIMEOUT_S:=60}"
 : "${JUDGE_MAX_ATTEMPTS:=3}"
 : "${JUDGE_PROBE:=1}"
+: "${JUDGE_ON_EVERY_NODE:=0}"
 
 # ------------------------------------------------ Ray -----------------------------------------------------------
 : "${RAY_PORT:=6379}"
@@ -454,6 +457,7 @@ for name in GPUS_PER_NODE AGENT_WORKERS_PER_NODE ROLLOUT_N TRAIN_BATCH_SIZE PPO_
 done
 [[ "${NEMO_GYM_BROWSER_DROP_INVALID}" =~ ^[01]$ ]] || die "NEMO_GYM_BROWSER_DROP_INVALID must be 0 or 1"
 [[ "${JUDGE_ENABLE}" =~ ^[01]$ ]] || die "JUDGE_ENABLE must be 0 or 1"
+[[ "${JUDGE_ON_EVERY_NODE}" =~ ^[01]$ ]] || die "JUDGE_ON_EVERY_NODE must be 0 or 1"
 [[ "${ENV_BACKEND}" =~ ^(remote_cdp|local_playwright)$ ]] || die "ENV_BACKEND must be remote_cdp or local_playwright"
 ((ENV_SERVERS_PER_NODE >= 1 || ${#ENV_SERVER_URLS} > 0)) || die "ENV_SERVERS_PER_NODE must be at least 1"
 ((MAX_TOKEN_LEN_PER_GPU >= MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)) ||
@@ -507,7 +511,10 @@ t0=$SECONDS
 }
 log "config composed by verl.trainer.main_ppo --cfg job in $((SECONDS - t0)) s: ${RUN_DIR}/composed_config.yaml"
 preflight_args=(--config "${RUN_DIR}/composed_config.yaml")
-if [[ "${JUDGE_ENABLE}" == 1 && "${JUDGE_PROBE}" == 1 ]]; then preflight_args+=(--probe-judge); fi
+judge_probe=()
+if [[ "${JUDGE_ENABLE}" == 1 && "${JUDGE_PROBE}" == 1 ]]; then judge_probe=(--probe-judge); fi
+preflight_args+=("${judge_probe[@]}")
+if [[ "${JUDGE_ON_EVERY_NODE}" == 1 ]]; then preflight_args+=(--judge-on-every-node); fi
 t0=$SECONDS
 "${PYTHON}" "${RECIPE_DIR}/preflight.py" "${preflight_args[@]}" || die "the composed config failed its checks (above)"
 log "config checked by preflight.py in $((SECONDS - t0)) s"
@@ -636,10 +643,11 @@ until (($(ray_alive_nodes) >= NNODES)); do
     sleep 3
 done
 log "Ray cluster: ${NNODES} of ${NNODES} node(s) joined in $((SECONDS - t0)) s"
-# Shell variables reach Ray workers only through the raylet's environment: ask a worker on every node what it sees.
+# Shell variables reach Ray workers only through the raylet's environment, and rollouts call the judge from every
+# node: ask a worker on every node what it sees and whether the judge answers there.
 t0=$SECONDS
-"${PYTHON}" "${RECIPE_DIR}/preflight.py" --config "${RUN_DIR}/composed_config.yaml" --ray-workers ||
-    die "the Ray workers do not see the recipe's settings (above)"
+"${PYTHON}" "${RECIPE_DIR}/preflight.py" --config "${RUN_DIR}/composed_config.yaml" --ray-workers "${judge_probe[@]}" ||
+    die "the Ray workers do not see the recipe's settings or do not reach the judge (above)"
 log "settings checked inside Ray workers on every node in $((SECONDS - t0)) s"
 
 if [[ "${MODE}" == dry-run ]]; then

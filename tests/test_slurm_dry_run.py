@@ -205,11 +205,10 @@ def recipe_inputs(tmp_path: Path) -> Path:
     save_test_model(tmp_path / "model")
     tasks = tmp_path / "tasks.jsonl"
     questions = ["What is the heading of the page?", "Report the page title.", "Summarise the page."]
+    # JUDGE_ENABLE=0 below: every task carries verifier_metadata, or the checks stop the run (nothing could score it).
+    task = {"web_name": "Example", "web": "https://example.org/", "verifier_metadata": {"url_contains": "example.org"}}
     tasks.write_text(
-        "".join(
-            json.dumps({"web_name": "Example", "id": f"Example--{i}", "ques": q, "web": "https://example.org/"}) + "\n"
-            for i, q in enumerate(questions * 2)
-        )
+        "".join(json.dumps({**task, "id": f"Example--{i}", "ques": q}) + "\n" for i, q in enumerate(questions * 2))
     )
     assert prepare_data(["--input", str(tasks), "--output-dir", str(tmp_path / "data"), "--val-fraction", "0.34"]) == 0
     return tmp_path
@@ -289,7 +288,7 @@ def test_sbatch_dry_run_brings_everything_up_on_loopback_checks_it_and_leaves_no
     expected = [
         f"run {run_id}: mode dry-run, 1 node(s) (localhost), recipe {REPO}",
         "config composed by verl.trainer.main_ppo --cfg job",
-        "preflight: all 8 checks passed",
+        "preflight: all 9 checks passed",
         f"environment servers up: 1 per node on 1 node(s), 127.0.0.1 ports {env_port}-{env_port}",
         "smoke episodes walked and verified on 1 server(s) x 1 node(s)",
         f"Ray head up at 127.0.0.1:{ray_port} (loopback)",

@@ -33,8 +33,10 @@ SCRIPT = REPO / "submit_webvoyager.sh"
 EXAMPLE = REPO / "config.env.example"
 CONFIG_DIR = REPO / "configs"
 
+# With JUDGE_ENABLE=0 (the tests' default) every task needs verifier_metadata: the checks refuse rows without it.
+VERIFIED = {"verifier_metadata": {"url_contains": "example.org"}}
 TASKS = [
-    {"web_name": "Example", "id": f"Example--{i}", "ques": question, "web": "https://example.org/"}
+    {"web_name": "Example", "id": f"Example--{i}", "ques": question, "web": "https://example.org/", **VERIFIED}
     for i, question in enumerate(
         [
             "What is the heading of the page?",
@@ -48,14 +50,21 @@ TASKS = [
 ]
 
 
+def prepared_data(folder: Path, tasks: list[dict], *options: str) -> Path:
+    """``tasks`` through prepare_webvoyager_data.py into ``folder`` (train.jsonl, val.jsonl), as users prepare them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "tasks.jsonl"
+    source.write_text("".join(json.dumps(task) + "\n" for task in tasks))
+    assert prepare_data(["--input", str(source), "--output-dir", str(folder), "--val-fraction", "0.34", *options]) == 0
+    return folder
+
+
 @pytest.fixture(scope="module")
 def recipe_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model folder (in-process tokenizer, tiny Qwen2 config) and prepared data, as a user would have them."""
     root = tmp_path_factory.mktemp("recipe_inputs")
     save_test_model(root / "model")
-    tasks = root / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps(task) + "\n" for task in TASKS))
-    assert prepare_data(["--input", str(tasks), "--output-dir", str(root / "data"), "--val-fraction", "0.34"]) == 0
+    prepared_data(root / "data", TASKS)
     return root
 
 
@@ -339,3 +348,192 @@ def test_a_dry_run_stops_before_starting_anything_when_the_ray_port_is_taken(
     assert f"RAY_PORT {port} is already in use" in result.stderr
     assert "cleanup: stopping 0 process(es)" in result.stdout
     assert "config composed" not in result.stdout  # it failed fast, before the expensive steps
+
+
+def results_of(config, **options) -> dict[str, tuple[bool, str]]:
+    return {name: (ok, detail) for name, ok, detail in preflight.run_checks(config, **options)}
+
+
+def first_row_without_verifier(data: Path) -> str:
+    """``file:line`` of the first row without verifier_metadata, train before val (the order the checks read)."""
+    for path in (data / "train.jsonl", data / "val.jsonl"):
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if "verifier_metadata" not in json.loads(line):
+                return f"{path}:{lineno}"
+    raise AssertionError("every row has verifier_metadata")
+
+
+def test_a_dry_run_without_a_judge_stops_before_starting_anything_when_rows_need_the_judge(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    open_ended = [task | {"verifier_metadata": None} if i in (1, 4) else task for i, task in enumerate(TASKS)]
+    data = prepared_data(tmp_path / "data", open_ended)
+    config_env = write_config_env(
+        tmp_path / "config.env",
+        recipe_inputs,
+        DATA_DIR=str(data),
+        JUDGE_ENABLE="0",
+        ENV_SERVER_URLS="http://127.0.0.1:9",
+    )
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--config", str(config_env), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={key: value for key, value in os.environ.items() if not key.startswith("SLURM_")},
+    )
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    judge_line = next(line for line in result.stdout.splitlines() if line.startswith("preflight: FAIL judge:"))
+    assert "2 of 6 rows have no verifier_metadata" in judge_line
+    assert "no judge is configured (JUDGE_ENABLE=0)" in judge_line
+    assert f"first at {first_row_without_verifier(data)}" in judge_line
+    assert "the composed config failed its checks" in result.stderr
+    assert "environment servers up" not in result.stdout and "Ray head up" not in result.stdout
+    assert "cleanup: stopping 0 process(es)" in result.stdout
+
+
+@pytest.mark.parametrize(("prepared_for", "configured"), [("native", "browser"), ("browser", "native")])
+def test_preflight_refuses_rows_prepared_for_another_tool_interface_than_the_tool_config(
+    recipe_inputs: Path, tmp_path: Path, prepared_for: str, configured: str
+) -> None:
+    data = prepared_data(tmp_path / "data", TASKS, "--tool-interface", prepared_for)
+    config_env = write_config_env(tmp_path / "config.env", recipe_inputs, DATA_DIR=str(data), TOOL_INTERFACE=configured)
+    ok, detail = results_of(compose_recipe(script_overrides(config_env)))["interface"]
+    assert not ok
+    assert f"6 of 6 rows teach the tools of --tool-interface {prepared_for}" in detail
+    assert f"gives the model the tools of TOOL_INTERFACE={configured}" in detail
+    assert f"first at {data / 'train.jsonl'}:1" in detail
+    assert "Unknown function" in detail
+
+    matching = write_config_env(tmp_path / "m.env", recipe_inputs, DATA_DIR=str(data), TOOL_INTERFACE=prepared_for)
+    ok, detail = results_of(compose_recipe(script_overrides(matching)))["interface"]
+    assert ok, detail
+    assert f"6 rows teach the tools of --tool-interface {prepared_for}, those of" in detail
+
+
+def test_a_loopback_judge_url_is_refused_on_a_multi_node_run_unless_a_judge_runs_on_every_node(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    two_nodes = {"SLURM_JOB_NUM_NODES": "2"}
+    loopback = write_config_env(tmp_path / "a.env", recipe_inputs, JUDGE_ENABLE="1")  # the shipped 127.0.0.1 URL
+    config = compose_recipe(script_overrides(loopback, env=two_nodes))
+    assert config.trainer.nnodes == 2
+
+    ok, detail = results_of(config)["judge"]
+    assert not ok
+    assert "http://127.0.0.1:8001/v1 is a loopback address, but this run has 2 nodes" in detail
+    assert "JUDGE_ON_EVERY_NODE=1" in detail
+
+    ok, detail = results_of(config, judge_on_every_node=True)["judge"]
+    assert ok, detail
+    assert "on every node" in detail
+
+    one_node = compose_recipe(script_overrides(loopback, env={"SLURM_JOB_NUM_NODES": "1"}))
+    assert results_of(one_node)["judge"][0]
+
+    shared = write_config_env(
+        tmp_path / "b.env", recipe_inputs, JUDGE_ENABLE="1", JUDGE_BASE_URL="http://judge.cluster.internal:8001/v1"
+    )
+    assert results_of(compose_recipe(script_overrides(shared, env=two_nodes)))["judge"][0]
+
+
+NODE_ONLY_KEY_ENV = "NGB_TEST_NODE_JUDGE_KEY"
+
+
+@pytest.fixture(scope="module")
+def loopback_ray() -> Iterator[None]:
+    """A private one-node Ray on 127.0.0.1 whose raylet (and so every worker) has the judge key variable set, while
+    this process does not: only a probe that runs inside a worker can send that key."""
+    import ray
+    import ray._private.ray_constants as ray_constants
+
+    assert not ray.is_initialized()
+    saved = (os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), ray_constants.ENABLE_RAY_CLUSTER)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep the node address on loopback
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[NODE_ONLY_KEY_ENV] = "node-secret"
+    try:
+        ray.init(
+            address="local",
+            num_cpus=1,
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        del os.environ[NODE_ONLY_KEY_ENV]
+        yield
+    finally:
+        os.environ.pop(NODE_ONLY_KEY_ENV, None)
+        ray.shutdown()
+        if saved[0] is None:
+            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        else:
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
+
+def test_the_judge_is_probed_from_a_ray_worker_pinned_to_every_node_with_the_workers_key(
+    recipe_inputs: Path, tmp_path: Path, models_endpoint: str, loopback_ray: None
+) -> None:
+    def ray_checks(base_url: str, model: str = "judge-model") -> tuple[bool, str]:
+        config_env = write_config_env(
+            tmp_path / "config.env",
+            recipe_inputs,
+            JUDGE_ENABLE="1",
+            JUDGE_BASE_URL=base_url,
+            JUDGE_MODEL=model,
+            JUDGE_API_KEY_ENV=NODE_ONLY_KEY_ENV,
+        )
+        config = compose_recipe(script_overrides(config_env))
+        ((name, ok, detail),) = preflight.run_checks(config, probe_judge=True, checks=preflight.RAY_CHECKS)
+        assert name == "ray-workers"
+        assert "node-secret" not in detail
+        return ok, detail
+
+    host = socket.gethostname()
+    ok, detail = ray_checks(models_endpoint)
+    assert ok, detail
+    assert detail.startswith(f"1 node(s) ({host}): ")
+    assert f"judge judge-model answers at {models_endpoint} on every node" in detail
+    assert _Models.authorizations == ["Bearer node-secret"]  # from the worker: this process has no such key
+
+    ok, detail = ray_checks(models_endpoint, model="other-model")
+    assert not ok
+    assert f"{host}: judge endpoint {models_endpoint} serves ['judge-model'], not 'other-model'" in detail
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed:
+        closed.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+    ok, detail = ray_checks(down)
+    assert not ok
+    assert f"{host}: judge endpoint {down}/models did not answer" in detail
+    assert "rollouts on that node call the judge from there" in detail
+
+
+def test_judge_on_every_node_lets_a_multi_node_dry_run_use_a_loopback_judge_and_probes_it(
+    recipe_inputs: Path, tmp_path: Path, models_endpoint: str
+) -> None:
+    config_env = write_config_env(
+        tmp_path / "config.env",
+        recipe_inputs,
+        JUDGE_ENABLE="1",
+        JUDGE_BASE_URL=models_endpoint,  # 127.0.0.1: right only because a judge answers there on every node
+        JUDGE_MODEL="judge-model",
+        JUDGE_ON_EVERY_NODE="1",
+        ENV_SERVER_URLS="http://127.0.0.1:9",  # nothing listens: the run stops at the smoke episode, after the checks
+    )
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--config", str(config_env), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**environment, "SLURM_JOB_NUM_NODES": "2"},
+    )
+    assert "2 node(s)" in result.stdout.splitlines()[0]
+    judge_line = next(line for line in result.stdout.splitlines() if line.startswith("preflight: ok   judge: "))
+    assert f"{models_endpoint} serves judge-model on this node (one per node: Ray workers probe" in judge_line
+    assert f"preflight: all {len(preflight.CHECKS)} checks passed" in result.stdout
+    assert _Models.authorizations == [None]  # probed once, from this node; no key configured
+    assert result.returncode == 1 and "smoke episode failed" in result.stderr  # the step after the checks

@@ -43,6 +43,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -111,7 +112,11 @@ TARGETED_FAULTS = (
     _infra("verify cannot grade", "verify", "status", "verify_unavailable"),
     _infra("judge stops answering", None, None, "judge_unusable", judged=True),
 )
-# A hang that starts when less than one per-call timeout is left before the deadline: still the server's fault.
+# The judge gives no usable verdict on any of its retries: the trajectory is kept, flagged, and no new episode is
+# spent on it (the one targeted cause whose rollout is meant to end invalid).
+JUDGE_DOWN = TARGETED_FAULTS[-1]
+# A hang that starts when less than one per-call timeout of environment time is left before the deadline (slow
+# observes spend it first): still the server's fault.
 HANG_NEAR_DEADLINE = _infra("call hangs near the deadline", "browser_click", "hang", "timeout")
 EDGE_CASES = (HANG_NEAR_DEADLINE,)
 POLICY_OUTCOMES = (
@@ -123,7 +128,8 @@ POLICY_OUTCOMES = (
     Cause("URL refused by the guard", POLICY),
     Cause("no answer", POLICY),
     Cause("out of turns", POLICY),
-    Cause("out of time (deadline)", POLICY),
+    # The deadline counts environment time: every observe of this row is slow (within its timeout).
+    Cause("out of time (deadline)", POLICY, endpoint="browser_observe", fault="slow"),
     Cause("judged task", POLICY, judged=True),
 )
 SERVER_KILLED = _infra(
@@ -191,7 +197,6 @@ class ChaosSettings:
     max_sessions_per_server: int = 64
     max_assistant_turns: int = 8
     think_time_s: float = 0.0  # every turn of every rollout
-    slow_think_time_s: float = 1.5  # turns of the deadline rows (several of them must outlast the deadline)
     phase_think_time_s: float = 0.3  # turns of the server-wide phases, so their sessions stay open a while
     judge_timeout_s: float = 1.0
     judge_max_attempts: int = 2
@@ -219,7 +224,6 @@ REAL_SERVER_SETTINGS = ChaosSettings(
     max_attempts=4,
     resample_backoff_s=3.0,  # 3 + 6 + 12 s: a resample outlives the ~15 s a killed server needs to come back
     max_sessions_per_server=8,
-    slow_think_time_s=3.0,
     phase_think_time_s=1.0,
     judge_timeout_s=2.0,
     burst_s=2.0,
@@ -252,6 +256,7 @@ class Backend:
     def __init__(self) -> None:
         self.hits = []
         self.targeting: Targeting | None = None
+        self.slow_s = 0.0  # how long a "slow" call waits before it is handled (below the per-call timeout)
         self._bursting: set[int] = set()
 
     def fault_for(self, server: int, session_id: str | None, endpoint: str) -> str | None:
@@ -316,6 +321,7 @@ class _Dispatch(FaultAction):
             "status": Fault.status(503),
             "burst": Fault.status(503),
             "hang": Fault.hang(self.hang_s),
+            "slow": Fault.hang(self.backend.slow_s),
             "drop": Fault.drop_connection(),
             "lose_session": Fault.lose_session(),
             "fail_seed": Fault.fail_seed(),
@@ -397,6 +403,7 @@ class ProxiedBackend(Backend):
                 "status": ProxyFault.status_code(503),
                 "burst": ProxyFault.status_code(503),
                 "hang": ProxyFault.hang(),
+                "slow": ProxyFault.hang(self.slow_s),
                 "drop": ProxyFault.drop(),
                 "lose_session": ProxyFault.lose_session(),
                 "fail_seed": ProxyFault.status_code(500),
@@ -556,8 +563,14 @@ class ChaosReport:
         return self.settings.episode_deadline_s + self.settings.call_timeout_s
 
     @property
+    def valid_expected(self) -> list[RolloutRecord]:
+        """Rollout slots meant to end valid: all but those whose judge stayed down (kept flagged by design)."""
+        return [r for r in self.records if r.cause.name != JUDGE_DOWN.name]
+
+    @property
     def valid_fraction(self) -> float:
-        return sum(r.valid for r in self.records) / len(self.records) if self.records else 0.0
+        expected = self.valid_expected
+        return sum(r.valid for r in expected) / len(expected) if expected else 0.0
 
     def targets(self) -> list[tuple[str, bool]]:
         infra = [r for r in self.records if r.cause.side == INFRA]
@@ -615,7 +628,8 @@ class ChaosReport:
         again = sum(len(r.flags.get("env_failed_attempt_kinds") or []) > 1 for r in self.records)
         lines.append(
             f"resampled rollouts: {len(resampled)}, of which a later attempt failed again: {again}; "
-            f"valid samples: {sum(r.valid for r in self.records)}/{len(self.records)} = {self.valid_fraction:.1%}"
+            f"valid samples: {sum(r.valid for r in self.valid_expected)}/{len(self.valid_expected)} = "
+            f"{self.valid_fraction:.1%} (judge-down rows, kept flagged, not counted)"
         )
         rollout_walls = [float(r.flags.get("env_episode_wall_s") or 0.0) for r in self.records]
         session, longest = self.longest_attempt
@@ -668,10 +682,15 @@ class ChaosRun:
         self._plan: dict[int, Cause] = {}
         self._indices = itertools.count()
         self._judge_calls: collections.Counter[str] = collections.Counter()
-        self._first_generation: dict[str, float] = {}  # task text -> when its first generation ran
         self.loop_lag_s = 0.0
         judge.default = fj.Behaviour(respond=self._judge_behaviour)
         backend.targeting = self._targeting
+        # The deadline counts environment time only, so the rows that must reach it spend it in slow observes:
+        # HANG_NEAR_DEADLINE makes `near_deadline_observes` of them, then the click that hangs with half a per-call
+        # timeout of environment time left; each stays below the per-call timeout.
+        act_at = settings.episode_deadline_s - settings.call_timeout_s / 2
+        self.near_deadline_observes = max(1, math.ceil(act_at / (0.8 * settings.call_timeout_s)))
+        backend.slow_s = act_at / self.near_deadline_observes
 
     # --- who gets which fault ---
 
@@ -680,6 +699,8 @@ class ChaosRun:
         if parsed is None or parsed[1] != 1:
             return None
         cause = self._plan.get(parsed[0])
+        if cause is HANG_NEAR_DEADLINE and endpoint == "browser_observe":
+            return "slow"
         if cause is None or cause.endpoint != endpoint:
             return None
         return cause.fault
@@ -708,24 +729,17 @@ class ChaosRun:
 
     def _think(self, view: sp.PolicyView) -> float:
         task = view.task
-        if f"{HANG_NEAR_DEADLINE.name}]" in task:
-            # Act (the click that will hang) with half a per-call timeout left before the deadline, counted from
-            # the first generation (the episode's clock starts at the seed, just before it).
-            if view.turn == 0:
-                self._first_generation[task] = time.monotonic()
-                return 0.0
-            if view.turn == 1:
-                act_at = self.settings.episode_deadline_s - self.settings.call_timeout_s / 2
-                return max(self._first_generation[task] + act_at - time.monotonic(), 0.0)
-        if "out of time (deadline)" in task:
-            return self.settings.slow_think_time_s
         if f"{KILL_PHASE.name}]" in task or f"{BURST_PHASE.name}]" in task:
             return self.settings.phase_think_time_s
         return self.settings.think_time_s
 
     async def _rollout(self, index: int, cause: Cause, phase: str) -> RolloutRecord:
         record = RolloutRecord(index, cause, phase)
-        policy = sp.ScriptedPolicy(self.tokenizer, _script(cause), think_time_s=self._think)
+        script = _script(cause)
+        if cause is HANG_NEAR_DEADLINE:
+            observes = [sp.observe()] * self.near_deadline_observes
+            script = sp.steps(*observes, sp.click_matching("About"), sp.finish(f"The code is {ANSWER}"))
+        policy = sp.ScriptedPolicy(self.tokenizer, script, think_time_s=self._think)
         try:
             loop = self.factory.build(policy)
             record.output = await loop.run(SAMPLING, **self._row(index, cause))
@@ -780,7 +794,7 @@ class ChaosRun:
         fired, uninjected = set(), set()
         for hit in self.backend.hits:
             parsed = parse_session_id(hit.session_id)
-            if hit.fault is not None and hit.fault != "burst" and parsed is not None and parsed[1] == 1:
+            if hit.fault not in (None, "burst", "slow") and parsed is not None and parsed[1] == 1:
                 fired.add(parsed[0])
         for session_id in self.backend.uninjected_failures():
             parsed = parse_session_id(session_id)

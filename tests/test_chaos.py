@@ -23,7 +23,6 @@ FAST = ChaosSettings(
     close_timeout_s=1.0,
     episode_deadline_s=2.0,
     resample_backoff_s=0.1,
-    slow_think_time_s=0.8,
     phase_think_time_s=0.15,
     judge_timeout_s=0.5,
     burst_s=0.3,
@@ -62,8 +61,9 @@ def assert_blame_is_right(report: ChaosReport, *, every_slot_valid: bool = True)
     """The targets of the issue, except the sessions left open (asserted by the caller)."""
     _, longest = report.longest_attempt
     invalid = [r for r in report.records if not r.valid]
-    # A real server takes its time to come back: only its victims may run out of attempts.
-    allowed_invalid = set() if every_slot_valid else {ch.SERVER_KILLED.name}
+    # A judge that stays down leaves its rollout flagged (no new episode is spent on it); a real server takes its
+    # time to come back: only its victims may also run out of attempts.
+    allowed_invalid = {ch.JUDGE_DOWN.name} | (set() if every_slot_valid else {ch.SERVER_KILLED.name})
     problems = {
         "misclassified": [(r.index, r.cause.name, r.first_attempt, r.error) for r in report.misclassified],
         "policy rows not as scripted": [r.index for r in report.policy_rows_wrong],
@@ -89,6 +89,9 @@ async def test_every_injected_fault_is_blamed_on_the_infrastructure_no_policy_ou
     causes = {r.cause.name for r in report.records}
     assert {c.name for c in (*ch.TARGETED_FAULTS, *ch.EDGE_CASES, *ch.POLICY_OUTCOMES)} <= causes
     assert ch.SERVER_KILLED.name in causes and ch.BURST_5XX.name in causes
+    # The judge stayed down for all its retries: one episode, kept flagged, no new episode spent on it.
+    judge_down = [r for r in report.records if r.cause.name == ch.JUDGE_DOWN.name]
+    assert judge_down and all(r.flags["env_attempts"] == 1 and not r.valid for r in judge_down)
     # The burst (0.3 s) is shorter than the close's retries (0.25 s, then 0.5 s later): every browser is released.
     assert report.left_open_total == 0, report.format()
 

@@ -5,6 +5,9 @@ What this module owns
     metrics: the invalid rate, every failure kind (of failed attempts, and of samples still invalid at the end),
     attempts, resampled and recovered rates, deadline hits, the verify/judge split of rewards, refused
     navigations and the episode wall time. Pure Python over mappings and numpy columns: no torch, no verl.
+    Rollouts the drop switch removed (``dropped_rollouts``) count as what they were, invalid samples: every rate
+    is over all the step's rollouts, kept and dropped, so the numbers do not depend on the switch; how many were
+    dropped is ``env/dropped_count``.
 
 Where the numbers reach verl
     * Every sample's ``extra_fields`` become one ``non_tensor_batch`` column per key in the legacy trainer and
@@ -70,12 +73,15 @@ def reward_extra_info(flags: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
-def episode_metrics(rows: Iterable[Mapping[str, Any] | None]) -> dict[str, float]:
-    """Step metrics over the samples' flag dicts; samples without flags (other agent loops) are skipped.
+def episode_metrics(
+    rows: Iterable[Mapping[str, Any] | None], dropped: Sequence[Mapping[str, Any]] = ()
+) -> dict[str, float]:
+    """Step metrics over the samples' flag dicts and the step's dropped rollouts (their flags, all invalid).
 
-    Returns ``{}`` when no sample carries flags, so a batch of another recipe adds nothing.
+    Samples without flags (other agent loops) are skipped. Returns ``{}`` when no sample carries flags and nothing
+    was dropped, so a batch of another recipe adds nothing.
     """
-    flagged = [row for row in rows if isinstance(row, Mapping) and "env_invalid" in row]
+    flagged = [row for row in rows if isinstance(row, Mapping) and "env_invalid" in row] + list(dropped)
     if not flagged:
         return {}
     n = len(flagged)
@@ -91,6 +97,7 @@ def episode_metrics(rows: Iterable[Mapping[str, Any] | None]) -> dict[str, float
             final_kinds[str(row["env_failure_kind"])] += 1
     metrics = {
         "env/samples": float(n),
+        "env/dropped_count": float(len(dropped)),
         "env/invalid_rate": sum(invalid) / n,
         "env/invalid_count": float(sum(invalid)),
         "env/resampled_rate": sum(resampled) / n,
@@ -108,6 +115,15 @@ def episode_metrics(rows: Iterable[Mapping[str, Any] | None]) -> dict[str, float
         metrics[f"env/failed_attempts/{kind}"] = float(failed_attempts.get(kind, 0))
         metrics[f"env/invalid/{kind}"] = float(final_kinds.get(kind, 0))
     return metrics
+
+
+def validation_drop_metrics(dropped: Sequence[Mapping[str, Any]], kept: int) -> dict[str, float]:
+    """What validation's averages leave out: the rollouts dropped, as a count and a share of all its rollouts."""
+    total = kept + len(dropped)
+    return {
+        "val-aux/env/dropped_count": float(len(dropped)),
+        "val-aux/env/dropped_rate": len(dropped) / total if total else 0.0,
+    }
 
 
 def metrics_from_columns(columns: Mapping[str, Sequence[Any]]) -> dict[str, float]:

@@ -241,9 +241,16 @@ def _patch_v1_trainer_base(module: ModuleType) -> bool:
     multi = _require(module, "compute_advantage_for_multi_trajectories", params=("data", "batch_keys", "adv_estimator"))
     step_metrics = _require(trainer_cls, "_compute_metrics", params=("self", "batch", "metrics"))
     _require(trainer_cls, "fit", calls="_compute_metrics")
+    val_metrics = _require(
+        trainer_cls,
+        "_val_metrics_update",
+        params=("self", "sample_uids", "reward_extra_infos_dict", "expected_acc_counts"),
+    )
+    _require(trainer_cls, "_validate", calls="_val_metrics_update")
     changed = _rebind(module, "compute_advantage_for_multi_trajectories", multi, _make_multi_trajectories_wrapper)
     changed = _rebind(trainer_cls, "_compute_advantage", method, _make_v1_compute_advantage_wrapper) or changed
-    return _rebind(trainer_cls, "_compute_metrics", step_metrics, _make_v1_compute_metrics_wrapper) or changed
+    changed = _rebind(trainer_cls, "_compute_metrics", step_metrics, _make_v1_compute_metrics_wrapper) or changed
+    return _rebind(trainer_cls, "_val_metrics_update", val_metrics, _make_v1_val_metrics_wrapper) or changed
 
 
 _APPLY: dict[str, Callable[[ModuleType], bool]] = {
@@ -270,6 +277,7 @@ def _is_patched(name: str, module: ModuleType) -> bool:
     return (
         _is_ours(getattr(trainer_cls, "_compute_advantage", None))
         and _is_ours(getattr(trainer_cls, "_compute_metrics", None))
+        and _is_ours(getattr(trainer_cls, "_val_metrics_update", None))
         and _is_ours(getattr(module, "compute_advantage_for_multi_trajectories", None))
     )
 
@@ -559,19 +567,59 @@ def _make_v1_compute_metrics_wrapper(original: Callable[..., Any]) -> Callable[.
 
     @functools.wraps(original)
     def _compute_metrics(*args: Any, **kwargs: Any) -> Any:
+        from . import dropped_rollouts
         from .episode_metrics import episode_metrics
 
         result = original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         batch, metrics = bound.arguments["batch"], bound.arguments["metrics"]
-        rows = _fetch_v1_extra_fields(batch) if isinstance(metrics, dict) else None
-        if rows is not None:
-            tags = batch.tags if batch.tags else [{}] * len(rows)
-            real = [row for row, tag in zip(rows, tags, strict=True) if not tag.get(PADDING_TAG, False)]
-            metrics.update(episode_metrics(real))  # {} when no real sample carries flags
+        if not isinstance(metrics, dict):
+            return result
+        rows = _fetch_v1_extra_fields(batch) or []
+        tags = batch.tags if batch.tags else [{}] * len(rows)
+        real = [row for row, tag in zip(rows, tags, strict=True) if not tag.get(PADDING_TAG, False)]
+        waiting = _waiting_train_groups()
+        dropped = dropped_rollouts.take(waiting=waiting) if waiting is not None else []
+        metrics.update(episode_metrics(real, dropped))  # {} when no real sample carries flags and none was dropped
         return result
 
     return _compute_metrics
+
+
+def _waiting_train_groups() -> set[str] | None:
+    """The prompt groups still waiting in TransferQueue's ``train`` partition (None when it cannot be listed).
+
+    verl's replay buffer removes a group's prompt key when it samples the group into a batch or evicts it, so a
+    dropped rollout whose group is not listed here belongs to this step (or to an evicted group).
+    """
+    import transfer_queue as tq
+
+    try:
+        listing = tq.kv_list(partition_id="train") or {}
+    except Exception as exc:  # the drops stay in the ledger for the next step
+        logger.warning("nemo_gym_browser: cannot list TransferQueue's train partition: %s", exc)
+        return None
+    return {key for key, tag in listing.get("train", {}).items() if isinstance(tag, dict) and tag.get("is_prompt")}
+
+
+def _make_v1_val_metrics_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _val_metrics_update(*args: Any, **kwargs: Any) -> Any:
+        from . import dropped_rollouts
+        from .episode_metrics import validation_drop_metrics
+
+        result = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        groups = {str(uid) for _source, uid in (bound.arguments.get("expected_acc_counts") or {})}
+        dropped = dropped_rollouts.take(only=groups) if groups else []
+        ours = dropped or "env/invalid" in (bound.arguments.get("reward_extra_infos_dict") or {})
+        if ours and isinstance(result, dict):  # another recipe's validation keeps verl's dict untouched
+            result.update(validation_drop_metrics(dropped, kept=len(bound.arguments["sample_uids"])))
+        return result
+
+    return _val_metrics_update
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -261,6 +261,24 @@ async def test_the_v1_step_metrics_carry_the_env_metrics_of_the_real_samples_onl
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)  # what fit does after logging
 
 
+async def test_with_the_drop_switch_on_the_v1_step_metrics_count_the_rollouts_verl_never_stored(server, model_dir, tq):
+    drop = "+nemo_gym_browser.drop_invalid=true"
+    config = trainer_config(server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3", drop)
+    rollout = InProcessRollout(tq_worker(config, scripted_group(server, build_test_tokenizer())))
+
+    metrics, batch, trainer = await v1_step_metrics(config, rollout, tq, batch_multiple=4)
+
+    real = [key for key, tag in zip(batch.keys, batch.tags, strict=True) if not tag.get("is_padding", False)]
+    assert len(real) == 2  # the rollout that failed both attempts returned [], so verl stored nothing for it
+    assert_env_metrics(metrics)  # the same numbers as with the switch off: the dropped rollout is counted
+    assert metrics["env/dropped_count"] == 1.0
+    next_step: dict = {}
+    trainer._compute_metrics(batch, next_step, {"step": 1.0}, global_steps=2, epoch=0)
+    assert next_step["env/dropped_count"] == 0.0 and next_step["env/invalid_rate"] == 0.0  # counted once
+    assert server.open_sessions == 0
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
 async def test_a_v1_step_without_flags_gets_exactly_verls_metrics(server, model_dir, tq):
     config = trainer_config(
         server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3", "algorithm.adv_estimator=grpo"

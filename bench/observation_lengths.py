@@ -13,12 +13,7 @@ Observations are read with the recipe's own environment client (seed, observe, c
 Token counts need a tokenizer file: ``--tokenizer PATH`` (a ``tokenizer.json``, or a Hugging Face tokenizer folder,
 e.g. a Qwen2.5 model's). The tool-turn overhead is measured with the same tokenizer: what verl's hermes chat
 template puts around one tool response (end of the assistant turn, the tool turn's header and footer, the next
-generation prompt).
-
-Examples::
-
-    .venv/bin/python bench/observation_lengths.py
-    .venv/bin/python bench/observation_lengths.py --real --tokenizer /models/Qwen2.5-7B-Instruct
+generation prompt). The recipe's turn budget (``configs/webvoyager_grpo.yaml``) quotes its output.
 """
 
 from __future__ import annotations
@@ -38,6 +33,14 @@ from pathlib import Path
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import header
 from nemo_gym_browser.testing.fake_environment import BUNDLED_INITIAL_URL, FakeEnvironmentServer
+
+EXAMPLES = """\
+examples:
+  python bench/observation_lengths.py                                   # fake server and the render's worst case
+  python bench/observation_lengths.py --real --tokenizer /models/Qwen2.5-7B-Instruct/tokenizer.json
+
+exit codes: 0 measured, 2 usage error (e.g. no such tokenizer file)
+"""
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
 SITE_DIR = RECIPE_DIR / "testing" / "site"
@@ -161,10 +164,15 @@ async def measure(real: bool) -> list[tuple[str, str, str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--real", action="store_true", help="also observe pages through the real server (.venv-gym)")
     parser.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer folder, for token counts")
     args = parser.parse_args(argv)
+    if args.tokenizer is not None and not Path(args.tokenizer).exists():
+        print(f"error: no tokenizer at {args.tokenizer}", file=sys.stderr)
+        return 2
     count = load_counter(args.tokenizer)
 
     print(header("Browser observation lengths") + "\n")
@@ -197,4 +205,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -19,15 +19,38 @@ Lifetimes it guarantees
 
 Who caused it decides (``../shared/notes/failure-handling.md``)
     * Infrastructure (an :class:`~nemo_gym_browser.environment.EnvironmentFailure`: seed failed, session lost,
-      unreachable, 5xx, a call hung past its per-call timeout, verify could not grade, the judge gave no usable
-      verdict): recorded on the episode the moment it happens, the attempt ends at once (no further model call),
-      its session is closed, and the rollout is re-run from scratch in a new session, up to ``max_attempts``.
-      Still failing after that: the sample is flagged ``env_invalid`` with its loss masked and reward 0 (kept out
-      of the GRPO baseline by ``grpo_env_aware``), or dropped (``[]``) under the V1 trainer when the drop switch
-      is on.
+      unreachable, 5xx, a call hung past its per-call timeout, the session held past its hold limit, verify could
+      not grade, the judge gave no usable verdict): recorded on the episode the moment it happens, the attempt
+      ends at once (no further model call), its session is closed, and the rollout is re-run from scratch in a new
+      session, up to ``max_attempts``. Still failing after that: the sample is flagged ``env_invalid`` with its
+      loss masked and reward 0 (kept out of the GRPO baseline by ``grpo_env_aware``), or dropped (``[]``) under
+      the V1 trainer when the drop switch is on.
+    * The judge is the exception to resampling: it already asks again on the same evidence (its own
+      ``max_attempts``), and a new episode would only spend a browser session and a model trajectory on a judge
+      that is down. A trajectory without a usable verdict is kept, flagged ``judge_unusable``, after one episode.
+      A task without ``verifier_metadata`` when no judge is configured is flagged ``judge_unusable`` at once,
+      with no episode (nothing could score it; logged once per process).
     * Policy (a legitimate outcome, scored as it stands): bad tool arguments, unknown actions, element ids not on
       the page, URLs it chose that fail to load or are refused, no answer, running out of turns or tokens, and
-      the wall-clock episode deadline. Invalidity is never inferred from a short or empty response.
+      the episode deadline. Invalidity is never inferred from a short or empty response.
+
+Time: the deadline and the hold limit
+    ``episode_deadline_s`` bounds the episode's *environment time*: wall time from the seeded session on, less
+    the time spent inside the model's ``generate``. A trainer holding generation (colocate_async pauses it for a
+    whole training phase; verl's ``FullyAsyncLLMServerClient`` waits the pause out inside ``generate``) or a
+    request queued in the inference server therefore never spends it, and never becomes a policy zero. It is
+    checked before each generation and around each browser call (a call in flight runs to its own timeout), so
+    browser time is bounded by the deadline plus one call timeout; it never cuts a generation.
+    ``session_hold_limit_s`` bounds what the attempt costs the environment server in wall time, generation
+    included (a browser held open while the trainer pauses): past it the attempt fails as an infrastructure
+    ``timeout`` and is resampled. It is the only bound that cuts a generation, and a cut generation is cancelled
+    on the rollout server (``ray.cancel`` on the request, see :func:`track_rollout_requests`), never left to
+    decode for nobody. A generation is otherwise bounded by ``response_length`` tokens.
+
+The turn limit
+    verl ends the episode at ``multi_turn.max_assistant_turns`` (or ``max_user_turns``) right after the last
+    generation, before it parses that turn's tool calls. A ``finish`` there is run by the loop itself, so its
+    answer reaches verify or the judge; other actions of that turn are not run (no one would read their page).
 
 Where the flags go
     ``AgentLoopOutput.extra_fields`` of the returned sample, written at the end of ``run`` (never before the first

@@ -3,13 +3,27 @@
 # a real nemo-gym 0.7.0 interactive_browser with headless Chromium on 127.0.0.1, one smoke episode, GRPO groups
 # rolled out through BrowserToolAgentLoop with injected infrastructure failures, and the advantages the recipe
 # gives each sample next to what stock GRPO would have given it. Everything it starts is stopped at the end.
+# With --train it then trains a real policy: verl's main_ppo with this recipe on the CPU backend, a warm-started
+# tiny policy on the local Corner Shop tasks, 30 % of sessions spoiled by the fault proxy, one line per step.
 #
 #   bash scripts/rehearse.sh             # set up (once), then rehearse
-#   bash scripts/rehearse.sh --verbose   # arguments go to rehearsal.py (see python rehearsal.py --help)
+#   bash scripts/rehearse.sh --train     # the same, then a short real training run (several more minutes)
+#   bash scripts/rehearse.sh --verbose   # other arguments go to rehearsal.py (see python rehearsal.py --help)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+train=0
+args=()
+for arg in "$@"; do
+    if [[ "${arg}" == --train ]]; then train=1; else args+=("${arg}"); fi
+done
 bash scripts/setup.sh
 bash scripts/setup_environment.sh
-exec "$ROOT/.venv/bin/python" rehearsal.py "$@"
+"$ROOT/.venv/bin/python" rehearsal.py "${args[@]}"
+if ((train)); then
+    echo
+    echo "== a real training run: verl main_ppo, BrowserToolAgentLoop, grpo_env_aware, the CPU backend in place of vLLM"
+    exec "$ROOT/.venv/bin/python" -m nemo_gym_browser.testing.training_run --workdir "$ROOT/.cache/rehearsal-train" \
+        --steps 3 --fault-rate 0.3 --test-freq 3
+fi

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["integration_fixtures"]
+pytest_plugins = ["integration_fixtures", "slurm_fixtures"]
 
 # Ray replaces a loopback node address with the machine's outward address unless its cluster mode is off.
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

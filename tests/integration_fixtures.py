@@ -8,6 +8,8 @@ Registered as a pytest plugin from ``tests/conftest.py`` (``pytest_plugins = ["i
   ``NEMO_GYM_BROWSER_TEST_BACKEND`` picks the backend (``remote_cdp`` by default, or ``local_playwright``);
   ``NEMO_GYM_BROWSER_GYM_VENV`` points at another gym virtual environment.
 - ``local_site``: our static test site (``testing/site``) on a loopback port.
+- ``shop_site``, ``shop_rows``, ``tiny_policy``: the Corner Shop on its fixed loopback port, its task rows, and the
+  warm-started tiny policy, for the tests that really train (built once per session).
 
 A test that requests ``real_environment`` directly must carry ``@pytest.mark.integration``; collection stops with a
 usage error otherwise, so the offline tier can never start a browser by accident.
@@ -77,3 +79,29 @@ def real_environment() -> Iterator[LocalEnvironment]:
 def local_site() -> Iterator[LocalSite]:
     with LocalSite() as site:
         yield site
+
+
+@pytest.fixture(scope="session")
+def shop_site() -> Iterator[LocalSite]:
+    """The Corner Shop's pages on their fixed loopback port (the task files name it)."""
+    from nemo_gym_browser.testing import shop_tasks
+
+    with shop_tasks.serve() as site:
+        yield site
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The warm-started tiny policy for the shop tasks, built once per test session (about a minute on 2 cores)."""
+    from nemo_gym_browser.testing.training_run import tiny_policy_folder
+
+    return tiny_policy_folder(tmp_path_factory.mktemp("policy"))
+
+
+@pytest.fixture(scope="session")
+def shop_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Training rows (the shop's training tasks) and validation rows (its held-back tasks) for main_ppo."""
+    from nemo_gym_browser.testing import shop_tasks
+    from nemo_gym_browser.testing.training_run import prepare_task_rows
+
+    return prepare_task_rows(tmp_path_factory.mktemp("rows"), shop_tasks.TRAIN_FILE, shop_tasks.HELD_BACK_FILE)

@@ -2,9 +2,10 @@
 ``patches.py``, the real nemo-gym 0.7.0 server with Chromium on 127.0.0.1, and infrastructure failures injected by
 the fault proxy between the rollouts and the server.
 
-The model is the project's tiny policy on the CPU backend (``testing/cpu_backend``: a ``cpu`` platform and the
-``hfcpu`` rollout in place of vLLM). Everything asserted is read from what the trainer itself logged (verl's ``file``
-logger), from the checkpoint folder it wrote, and from the proxy's and the server's view of the sessions.
+The model is the project's warm-started tiny policy on the CPU backend (``testing/cpu_backend``: a ``cpu`` platform
+and the ``hfcpu`` rollout in place of vLLM); the tasks are four Corner Shop training tasks, one of each kind.
+Everything asserted is read from what the trainer itself logged (verl's ``file`` logger and the recipe's advantage
+log), from the checkpoint folder it wrote, and from the proxy's and the server's view of the sessions.
 
 The plan of faults (by dataset row, see ``PLAN``) is deterministic: every row is in every step (the batch is the whole
 training set), and the first rollout of a row to open a session is the one the plan breaks, on its planned attempts.
@@ -12,6 +13,7 @@ training set), and the first rollout of a row to open a session is the one the p
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -22,9 +24,8 @@ from nemo_gym_browser.testing import training_run as tr
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parent.parent
-TASKS = REPO / "examples" / "local_tasks.jsonl"
-GROUP_SIZE = 2
+KINDS = ("open", "browse", "search", "price")
+GROUP_SIZE = 4
 # A cold Ray start, model load and two CPU steps take 1-3 minutes here; a loaded machine several times that.
 RUN_TIMEOUT_S = 1200
 # Row 0: its first rollout's seed fails once (resampled, recovered). Row 1: its first rollout's verify fails on every
@@ -42,30 +43,25 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def data(workdir: Path) -> tuple[Path, Path, int]:
-    from nemo_gym_browser.prepare_webvoyager_data import main as prepare
+    """Rows of the first training task of each kind, in that order (row i is the task of KINDS[i])."""
+    from nemo_gym_browser.testing import shop_tasks
 
-    out = workdir / "data"
-    assert prepare(["--input", str(TASKS), "--output-dir", str(out), "--val-fraction", "0"]) == 0
-    train = out / "train.jsonl"
-    rows = len(train.read_text().splitlines())
+    records = [next(r for r in shop_tasks.task_records("train") if r["kind"] == kind) for kind in KINDS]
+    tasks = workdir / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(record) + "\n" for record in records))
+    train, _ = tr.prepare_task_rows(workdir, tasks, tasks)
+    assert [json.loads(line)["task_id"] for line in train.read_text().splitlines()] == [r["id"] for r in records]
     # verl needs validation rows even when it never validates: the training rows serve.
-    return train, train, rows
+    return train, train, len(records)
 
 
 @pytest.fixture(scope="module")
-def policy(workdir: Path) -> Path:
-    from nemo_gym_browser.testing.tiny_policy import build_policy
-
-    return build_policy(workdir / "policy", warm_start=True, seed=0)
-
-
-@pytest.fixture(scope="module")
-def first_run(real_environment, workdir: Path, data: tuple[Path, Path, int], policy: Path):
+def first_run(real_environment, shop_site, tiny_policy: Path, workdir: Path, data: tuple[Path, Path, int]):
     """Two training steps, a checkpoint at step 2; the proxy's and the server's view of the sessions afterwards."""
     train, val, rows = data
     with tr.InjectedFaults(real_environment.url, tr.planned_faults(PLAN)) as faults:
         spec = tr.RunSpec(
-            model_path=policy,
+            model_path=tiny_policy,
             train_file=train,
             val_file=val,
             server_urls=(faults.url,),

@@ -1,32 +1,29 @@
 """``sbatch submit_webvoyager.sh --dry-run`` end to end on a real single-node Slurm started on this machine.
 
-The test starts MUNGE and Slurm 22.05 (Debian's ``munge``, ``slurmctld``, ``slurmd``; ``scripts/setup_slurm.sh``
-installs them) with a ``slurm.conf`` it writes to a temporary folder: one node ``localhost`` at 127.0.0.1, every
-daemon bound to loopback (``CommunicationParameters=NoCtldInAddrAny,NoInAddrAny``), MUNGE on a private socket. It
-submits the dry run as a user would, then stops the three daemons it started, by PID.
-
-``ProctrackType=proctrack/pgid``: Slurm then cleans up only the job's own process group at the end of a job, so a
-process the script started in a session of its own and failed to stop (a Chromium, a Ray daemon) stays visible to
-the leak check below instead of being swept away by Slurm.
+The Slurm cluster is ``local_slurm`` (tests/slurm_fixtures.py): one node at 127.0.0.1, daemons on loopback. The
+tests submit the dry run as a user would and check every step, the order of steps, and that nothing the job
+started outlives it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
-import signal
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from slurm_fixtures import (
+    DRY_RUN_TIMEOUT_S,
+    PORT_SEARCH_START,
+    LocalSlurm,
+    free_ports,
+    leftover_processes,
+    wait_for,
+)
 
 from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
 from nemo_gym_browser.testing.tokenizer import save_test_model
@@ -35,169 +32,6 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "submit_webvoyager.sh"
-SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
-# Daemons start in a second or two; a loaded 2-core machine can take several times that.
-DAEMON_START_TIMEOUT_S = 60
-# The dry run composes the config (~15 s), runs preflight (~15 s), starts a server (~10 s) and Ray (~15 s).
-DRY_RUN_TIMEOUT_S = 600
-STOP_TIMEOUT_S = 20
-# Ray's own port ranges are 10000-20000: the test's ports stay above them.
-PORT_SEARCH_START = 30000
-
-
-def free_ports(count: int, start: int = PORT_SEARCH_START) -> list[int]:
-    """``count`` consecutive loopback ports that are free right now."""
-    port = start
-    while port < 60000:
-        block = list(range(port, port + count))
-        try:
-            for candidate in block:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                    probe.bind(("127.0.0.1", candidate))
-        except OSError:
-            port += count
-            continue
-        return block
-    raise RuntimeError("no free port block")
-
-
-def processes_with_environ(entry: str) -> list[int]:
-    """PIDs whose environment holds ``entry`` (``KEY=value``)."""
-    found = []
-    needle = entry.encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if needle in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
-
-
-@dataclass(frozen=True)
-class LocalSlurm:
-    root: Path
-    env: dict[str, str]
-    setup_s: float
-
-
-def _wait_for(predicate, timeout_s: float, what: str, logs: list[Path]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {log}\n{log.read_text()[-2000:] if log.exists() else '(none)'}" for log in logs)
-            raise AssertionError(f"{what} not ready within {timeout_s} s\n{tails}")
-        time.sleep(0.5)
-
-
-@pytest.fixture(scope="module")
-def local_slurm() -> Iterator[LocalSlurm]:
-    missing = [name for name in SLURM_BINARIES if shutil.which(name) is None]
-    assert not missing, f"{missing} not installed: run `bash scripts/setup_slurm.sh` (CI does, via scripts/test.sh)"
-    started = time.monotonic()
-    # Short path: the MUNGE socket and Slurm's spool paths must stay well below the 108-byte socket path limit.
-    root = Path(tempfile.mkdtemp(prefix="ngb-slurm-", dir="/tmp"))
-    root.chmod(0o755)  # munged refuses a socket folder that others cannot traverse
-    for name in ("state", "spool", "log"):
-        (root / name).mkdir()
-    key = root / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o600)
-    ctld_port, slurmd_port = free_ports(2)
-    srun_ports = free_ports(100, start=ctld_port + 10)
-    (root / "slurm.conf").write_text(
-        f"""\
-ClusterName=ngbtest
-SlurmctldHost=localhost(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-SrunPortRange={srun_ports[0]}-{srun_ports[-1]}
-CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
-AuthType=auth/munge
-AuthInfo=socket={root}/munge.socket
-CredType=cred/munge
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SchedulerType=sched/builtin
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-InactiveLimit=0
-KillWait=30
-MinJobAge=300
-NodeName=localhost NodeAddr=127.0.0.1 NodeHostname=localhost CPUs={os.cpu_count()} RealMemory=2000 State=UNKNOWN
-PartitionName=local Nodes=localhost Default=YES MaxTime=UNLIMITED State=UP
-"""
-    )
-    env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
-    daemons: list[subprocess.Popen[bytes]] = []
-    try:
-        daemons.append(
-            subprocess.Popen(
-                [
-                    "munged",
-                    "--foreground",
-                    f"--key-file={key}",
-                    f"--socket={root}/munge.socket",
-                    f"--pid-file={root}/munged.pid",
-                    f"--log-file={root}/log/munged.log",
-                    f"--seed-file={root}/munged.seed",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=(root / "log" / "munged.out").open("wb"),
-            )
-        )
-        munge_logs = [root / "log" / "munged.log", root / "log" / "munged.out"]
-        _wait_for((root / "munge.socket").exists, DAEMON_START_TIMEOUT_S, "munged", munge_logs)
-        for command in (["slurmctld", "-D"], ["slurmd", "-D", "-N", "localhost"]):
-            out = (root / "log" / f"{command[0]}.out").open("wb")
-            daemons.append(subprocess.Popen([*command, "-f", env["SLURM_CONF"]], env=env, stdout=out, stderr=out))
-
-        def node_idle() -> bool:
-            state = subprocess.run(
-                ["sinfo", "-h", "-n", "localhost", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30
-            )
-            return state.stdout.strip() == "idle"
-
-        logs = [root / "log" / name for name in ("slurmctld.log", "slurmd.log", "slurmctld.out", "slurmd.out")]
-        _wait_for(node_idle, DAEMON_START_TIMEOUT_S, "the Slurm node", logs)
-        yield LocalSlurm(root=root, env=env, setup_s=time.monotonic() - started)
-    finally:
-        # A test that failed half-way may leave a job running: cancel it while the daemons can still end it.
-        if len(daemons) == 3:
-            subprocess.run(["scancel", "--partition=local"], env=env, capture_output=True, timeout=30)
-            deadline = time.monotonic() + STOP_TIMEOUT_S * 3
-            while time.monotonic() < deadline:
-                queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30)
-                if queue.returncode != 0 or not queue.stdout.strip():
-                    break
-                time.sleep(1)
-        for daemon in reversed(daemons):
-            daemon.terminate()
-            try:
-                daemon.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait(timeout=STOP_TIMEOUT_S)
-        # Anything this private cluster started (a step daemon, a job's process) carries its SLURM_CONF.
-        for pid in processes_with_environ(f"SLURM_CONF={root / 'slurm.conf'}"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -232,18 +66,6 @@ def write_test_config(recipe_inputs: Path, tmp_path: Path) -> tuple[int, int, Pa
     }
     config_env.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
     return env_port, ray_port, config_env
-
-
-def leftover_processes(job_id: str, log: str) -> list[int]:
-    """Processes that carry the job's id or the run's process mark, after a bounded wait for them to go."""
-    mark = re.search(r"carries (NEMO_GYM_BROWSER_PROCESS_MARK=\S+)", log)
-    assert mark, "the script did not log its process mark"
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while True:
-        left = processes_with_environ(f"SLURM_JOB_ID={job_id}") + processes_with_environ(mark.group(1))
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
 
 
 def test_sbatch_dry_run_brings_everything_up_on_loopback_checks_it_and_leaves_nothing_running(
@@ -345,7 +167,7 @@ def test_scancel_during_the_dry_run_stops_every_process_the_job_started(
         return job_log.read_text() if job_log.exists() else ""
 
     # Cancel once the environment server runs and the Ray head is starting: the most processes at once.
-    _wait_for(lambda: "smoke episodes walked" in read_log(), DRY_RUN_TIMEOUT_S, "the smoke step", [job_log])
+    wait_for(lambda: "smoke episodes walked" in read_log(), DRY_RUN_TIMEOUT_S, "the smoke step", [job_log])
     time.sleep(3)
     subprocess.run(["scancel", job_id], env=local_slurm.env, check=True, timeout=30)
 
@@ -355,7 +177,7 @@ def test_scancel_during_the_dry_run_stops_every_process_the_job_started(
         )
         return queue.stdout.strip() == ""
 
-    _wait_for(job_gone, 120, "the cancelled job to leave the queue", [job_log])
+    wait_for(job_gone, 120, "the cancelled job to leave the queue", [job_log])
     log = read_log()
     assert "terminated (job cancelled or out of time)" in log
     assert "dry run passed" not in log

@@ -57,6 +57,14 @@ Step metrics (the ``env/*`` keys of ``episode_metrics``)
 
     Both are logged with verl's own metrics by verl's ``Tracking`` logger, every step, under the same keys.
 
+    Rollouts the drop switch removed never reach TransferQueue, so V1's metrics also take them from the run's
+    ledger (:mod:`dropped_rollouts`): the drops of every prompt group that is no longer waiting in TransferQueue's
+    ``train`` partition (the replay buffer removed it: sampled into this step's batch, or evicted), counted as the
+    invalid samples they were, plus ``env/dropped_count``. Validation's groups are taken first by
+    ``PPOTrainer._val_metrics_update`` (it gets every validation group's uid), which adds
+    ``val-aux/env/dropped_count`` and ``val-aux/env/dropped_rate``; verl's own validation averages see the kept
+    rollouts only. The legacy trainer cannot drop (see below), so it has nothing to take.
+
     verl's experimental trainers (``fully_async_policy``, ``separation``, ``one_step_off_policy``) are not covered.
 
 Routing rule
@@ -81,7 +89,8 @@ The drop switch (``NEMO_GYM_BROWSER_DROP_INVALID=1``) and the recipe's default w
     process without the wiring fail with verl's "Unknown advantage estimator" instead of running stock GRPO. The
     switch is off by default: invalid samples then stay in the batch, flagged, with advantage 0 and out of their
     group's mean and std, which works in both trainers (the agent loop also zeroes an invalid sample's
-    ``response_mask``, so it leaves the loss as well).
+    ``response_mask``, so it leaves the loss as well), and a step in which every rollout failed still has a batch
+    (verl's sync replay buffer raises when the groups it samples hold no trajectory at all).
 
 Installation
     - ``install()``: eager; imports the four verl modules and patches them now.

@@ -15,6 +15,8 @@ workers (balancing across data-parallel ranks, actor update) are not run.
 from __future__ import annotations
 
 import asyncio
+import os
+import uuid
 
 import numpy as np
 import pytest
@@ -31,7 +33,7 @@ from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1.utils import MetricsAggregator
 from verl.utils.dataset.rl_dataset import collate_fn
 
-from nemo_gym_browser import patches
+from nemo_gym_browser import dropped_rollouts, patches
 from nemo_gym_browser.episode_metrics import FAILURE_KINDS, FLAG_KEYS, episode_metrics, metrics_from_columns
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config, make_row
@@ -40,6 +42,8 @@ from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 ABOUT = {"url_contains": "about.html"}
 ROLLOUT_TIMEOUT_S = 120
+# A rollout that could not open a session on either attempt, as the loop records it when it drops it.
+DROPPED = dict(failure_kind="seed_failed", attempts=2, failed_attempt_kinds=["seed_failed"] * 2, episode_wall_s=1.5)
 # The step every flagged batch below must report: one clean sample, one still failing after both attempts, one
 # recovered on its second attempt (every failure a 503 from the environment).
 EXPECTED = {
@@ -261,7 +265,9 @@ async def test_the_v1_step_metrics_carry_the_env_metrics_of_the_real_samples_onl
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)  # what fit does after logging
 
 
-async def test_with_the_drop_switch_on_the_v1_step_metrics_count_the_rollouts_verl_never_stored(server, model_dir, tq):
+async def test_with_the_drop_switch_on_each_dropped_rollout_counts_once_at_the_step_that_consumes_its_group(
+    server, model_dir, tq
+):
     drop = "+nemo_gym_browser.drop_invalid=true"
     config = trainer_config(server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3", drop)
     rollout = InProcessRollout(tq_worker(config, scripted_group(server, build_test_tokenizer())))
@@ -275,8 +281,80 @@ async def test_with_the_drop_switch_on_the_v1_step_metrics_count_the_rollouts_ve
     next_step: dict = {}
     trainer._compute_metrics(batch, next_step, {"step": 1.0}, global_steps=2, epoch=0)
     assert next_step["env/dropped_count"] == 0.0 and next_step["env/invalid_rate"] == 0.0  # counted once
+
+    # An async trainer: a group generated now is trained a step later. Its drop waits with the group.
+    later = str(uuid.uuid4())
+    tq.kv_put(key=later, partition_id="train", tag={"is_prompt": True, "status": "finished", "global_steps": 2})
+    await dropped_rollouts.record(later, **DROPPED)
+    while_waiting: dict = {}
+    trainer._compute_metrics(batch, while_waiting, {"step": 1.0}, global_steps=2, epoch=0)
+    tq.kv_clear(keys=[later], partition_id="train")  # what the replay buffer does when it samples the group
+    when_trained: dict = {}
+    trainer._compute_metrics(batch, when_trained, {"step": 1.0}, global_steps=3, epoch=0)
+    assert while_waiting["env/dropped_count"] == 0.0
+    assert when_trained["env/dropped_count"] == 1.0 and when_trained["env/invalid/seed_failed"] == 1.0
+    assert when_trained["env/failed_attempts/seed_failed"] == 2.0
     assert server.open_sessions == 0
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+def test_validation_reports_its_dropped_rollouts_and_keeps_them_out_of_the_training_metrics(tq):
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    trainer = object.__new__(PPOTrainerSync)  # _val_metrics_update reads nothing of the trainer's state
+    validation, training = str(uuid.uuid4()), str(uuid.uuid4())
+    for uid in (validation, validation, training):
+        asyncio.run(dropped_rollouts.record(uid, **DROPPED))
+    survivors = {"reward": [1.0, 0.0], "env/invalid": [0.0, 0.0]}  # two of the group's four rollouts kept
+
+    metrics = trainer._val_metrics_update(
+        ["site"] * 2, [validation] * 2, survivors, [3, 3], expected_acc_counts={("site", validation): 4}
+    )
+
+    assert metrics["val-core/site/reward/mean@2"] == 0.5  # verl averages the survivors only
+    assert metrics["val-aux/env/dropped_count"] == 2.0 and metrics["val-aux/env/dropped_rate"] == 0.5
+    assert len(dropped_rollouts.take(waiting=set())) == 1  # the training drop is still there for training
+
+
+def test_a_rollout_dropped_in_another_process_reaches_the_trainers_process(tq):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def drop_one(uid: str) -> int:
+        import os
+
+        from nemo_gym_browser import dropped_rollouts as ledger
+
+        asyncio.run(ledger.record(uid, **DROPPED))
+        return os.getpid()
+
+    uid = str(uuid.uuid4())
+    assert ray.get(drop_one.remote(uid), timeout=ROLLOUT_TIMEOUT_S) != os.getpid()
+
+    assert [row["env_failure_kind"] for row in dropped_rollouts.take(only={uid})] == ["seed_failed"]
+    assert dropped_rollouts.take(only={uid}) == []
+
+
+def test_a_sync_step_in_which_every_rollout_was_dropped_stops_verls_trainer(tq):
+    """Why the drop switch is off by default: with it on, one step of total environment outage ends the run."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    group = str(uuid.uuid4())  # its every rollout was dropped: verl stored no trajectory for it
+    tq.kv_put(key=group, partition_id="train", tag={"is_prompt": True, "status": "finished", "global_steps": 1})
+    replay_buffer = ReplayBuffer(
+        trainer_mode="sync",
+        trainer_config=OmegaConf.create({}),
+        max_off_policy_threshold=None,
+        max_off_policy_strategy="drop",
+        sampler_kwargs=OmegaConf.create({}),
+        poll_interval=0.01,
+    )
+    try:
+        with pytest.raises(RuntimeError, match="no materializable trajectories"):
+            replay_buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+    finally:
+        tq.kv_clear(keys=[group], partition_id="train")
 
 
 async def test_a_v1_step_without_flags_gets_exactly_verls_metrics(server, model_dir, tq):
@@ -321,9 +399,16 @@ def test_every_v1_trainer_mode_builds_its_step_metrics_with_the_wired_method():
 
 
 def test_install_twice_keeps_one_wrapper_around_each_metrics_function():
-    before = (ray_trainer.compute_data_metrics, trainer_base.PPOTrainer._compute_metrics)
+    def wrapped():
+        return (
+            ray_trainer.compute_data_metrics,
+            trainer_base.PPOTrainer._compute_metrics,
+            trainer_base.PPOTrainer._val_metrics_update,
+        )
+
+    before = wrapped()
     assert patches.install() is True and patches.install_on_import() is True
-    after = (ray_trainer.compute_data_metrics, trainer_base.PPOTrainer._compute_metrics)
+    after = wrapped()
     assert all(a is b for a, b in zip(before, after, strict=True))
     for wrapper in after:
         assert wrapper.__wrapped__.__module__.startswith("verl.") and not hasattr(wrapper.__wrapped__, "__wrapped__")
@@ -339,8 +424,19 @@ def test_install_twice_keeps_one_wrapper_around_each_metrics_function():
         (trainer_base.PPOTrainer, "_compute_metrics", None, "_compute_metrics"),
         (trainer_base.PPOTrainer, "_compute_metrics", lambda self, batch: None, "_compute_metrics"),
         (trainer_base.PPOTrainer, "fit", lambda self: None, "fit no longer calls _compute_metrics"),
+        (trainer_base.PPOTrainer, "_val_metrics_update", lambda self, data_sources: {}, "_val_metrics_update"),
+        (trainer_base.PPOTrainer, "_validate", lambda self: {}, "_validate no longer calls _val_metrics_update"),
     ],
-    ids=["legacy-missing", "legacy-new-signature", "legacy-fit", "v1-missing", "v1-new-signature", "v1-fit"],
+    ids=[
+        "legacy-missing",
+        "legacy-new-signature",
+        "legacy-fit",
+        "v1-missing",
+        "v1-new-signature",
+        "v1-fit",
+        "v1-validation-new-signature",
+        "v1-validate",
+    ],
 )
 def test_install_fails_loudly_naming_the_verl_version_when_a_metrics_function_moved(
     monkeypatch, owner, name, replacement, named

@@ -1,6 +1,6 @@
 """The CPU trainer backend: the ``cpu`` platform and the ``hfcpu`` rollout server, against real verl 0.9.1 classes.
 
-The server runs a tiny seeded Qwen2 (``toy.save_tiny_policy``); every expectation is computed independently, from
+The server runs a tiny seeded Qwen2 (``toy.save_random_policy``); every expectation is computed independently, from
 full forward passes of the same weights loaded with plain transformers (no cache, no sampling code shared with the
 server). Ray is used only where the behaviour is Ray's: the actor, verl's client and router, ``ray.cancel``. The
 platform is checked in fresh interpreters, because verl picks its platform once per process.
@@ -40,7 +40,7 @@ from nemo_gym_browser.testing.cpu_backend.rollout import (
 )
 from nemo_gym_browser.testing.cpu_backend.sampling import UnsupportedSamplingParameter
 from nemo_gym_browser.testing.cpu_backend.server import HFCpuServer
-from nemo_gym_browser.testing.cpu_backend.toy import save_tiny_policy
+from nemo_gym_browser.testing.cpu_backend.toy import save_random_policy
 from nemo_gym_browser.testing.tokenizer import IM_END, build_test_tokenizer
 
 PROMPT = [5, 6, 7, 8, 9, 10]
@@ -70,12 +70,12 @@ def model_config(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory) -> Path:
-    return save_tiny_policy(tmp_path_factory.mktemp("policy"), seed=0)
+    return save_random_policy(tmp_path_factory.mktemp("policy"), seed=0)
 
 
 @pytest.fixture(scope="module")
 def other_policy_dir(tmp_path_factory) -> Path:
-    return save_tiny_policy(tmp_path_factory.mktemp("other_policy"), seed=1)
+    return save_random_policy(tmp_path_factory.mktemp("other_policy"), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +128,16 @@ async def test_max_tokens_bounds_the_response_and_the_default_budget_is_vllms(se
     assert len(default.token_ids) == 12
 
 
+def latest_new_token(tokens: list[int]) -> tuple[int, int]:
+    """The token whose first appearance comes latest, and that position (a stop token that cuts the most)."""
+    token = max(set(tokens), key=tokens.index)
+    return token, tokens.index(token)
+
+
 async def test_generation_stops_at_an_end_of_sequence_id_from_the_generation_config(policy_dir, reference, tmp_path):
     free_run = greedy_reference(reference, PROMPT, 12)
-    # The token whose first appearance comes latest becomes an extra EOS id, as Qwen lists several.
-    stop_token = max(set(free_run), key=free_run.index)
-    stop_at = free_run.index(stop_token)
+    # It becomes an extra EOS id in the generation config, as Qwen's lists several.
+    stop_token, stop_at = latest_new_token(free_run)
     folder = tmp_path / "two_eos"
     folder.mkdir()
     for item in policy_dir.iterdir():
@@ -148,6 +153,15 @@ async def test_generation_stops_at_an_end_of_sequence_id_from_the_generation_con
     assert len(stopped.log_probs) == len(stopped.token_ids)
     ignoring = await generate(server, {"temperature": 0, "max_tokens": 12, "ignore_eos": True})
     assert ignoring.token_ids == free_run
+
+
+async def test_stop_token_ids_stop_the_generation_even_when_eos_is_ignored(server, reference):
+    free_run = greedy_reference(reference, PROMPT, 12)
+    stop_token, stop_at = latest_new_token(free_run)
+    params = {"temperature": 0, "max_tokens": 12, "ignore_eos": True, "stop_token_ids": [stop_token]}
+    out = await generate(server, params)
+    assert out.token_ids == free_run[: stop_at + 1]
+    assert out.stop_reason == "completed"
 
 
 def _expected_log_probs(logits: torch.Tensor, tokens: list[int], temperature: float, top_k: int) -> torch.Tensor:
@@ -204,6 +218,21 @@ async def test_sampled_tokens_stay_inside_top_k_and_inside_the_top_p_nucleus(ser
         ranked = torch.sort(probs[i], descending=True)
         nucleus_size = int((ranked.values.cumsum(0) < 0.3).sum()) + 1
         assert token in ranked.indices[:nucleus_size].tolist()
+
+
+async def test_repetition_penalty_scales_the_logits_of_every_prompt_and_response_token(server, reference):
+    penalty, steps = 3.0, 12
+    expected: list[int] = []
+    for _ in range(steps):
+        logits = next_token_logits(reference, PROMPT, [*expected, 0])[-1].clone()  # the row picking the next token
+        seen = torch.tensor(sorted(set(PROMPT) | set(expected)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        expected.append(int(logits.argmax()))
+    assert expected != greedy_reference(reference, PROMPT, steps)  # the penalty matters for this model
+
+    params = {"temperature": 0, "repetition_penalty": penalty, "max_tokens": steps, "ignore_eos": True}
+    out = await generate(server, params)
+    assert out.token_ids == expected
 
 
 async def test_a_request_seed_makes_sampling_reproducible_and_different_seeds_differ(server):
@@ -390,6 +419,22 @@ async def test_ray_cancel_of_a_generate_call_stops_the_decode_and_the_next_reque
     assert time.monotonic() - began < CANCEL_BOUND_S
 
 
+async def test_a_generation_the_recipes_loop_cuts_is_stopped_on_the_server(ray_server):
+    from nemo_gym_browser.browser_agent_loop import generate_within, track_rollout_requests
+
+    _, client = ray_server
+    assert track_rollout_requests(client)
+    with pytest.raises(TimeoutError):
+        await generate_within(client.generate("cut", prompt_ids=PROMPT, sampling_params=LONG), 1.0, "cut")
+    began = time.monotonic()
+    out = await asyncio.wait_for(
+        client.generate("next", prompt_ids=PROMPT, sampling_params={"max_tokens": 4, "ignore_eos": True}),
+        CALL_TIMEOUT_S,
+    )
+    assert len(out.token_ids) == 4
+    assert time.monotonic() - began < CANCEL_BOUND_S
+
+
 # ----- registration, selection and configuration
 
 
@@ -436,6 +481,10 @@ def test_the_cpu_overrides_and_the_toy_run_compose_into_verls_trainer_config(tmp
         GlobalHydra.instance().clear()
     rollout = config.actor_rollout_ref.rollout
     assert (rollout.name, rollout.engine_kwargs.hfcpu.num_threads, config.trainer.device) == (ROLLOUT_NAME, 1, "cpu")
+    # The actor and the reference compute in the rollout's dtype.
+    assert rollout.dtype == "float32"
+    assert config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
+    assert config.actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype == "fp32"
     assert cpu_env()["VERL_USE_EXTERNAL_MODULES"] == PLUGIN_MODULE
 
 

@@ -35,10 +35,12 @@ How to run ``main_ppo`` on CPU (one source of truth: :func:`cpu_env` and :func:`
         actor_rollout_ref.rollout.tensor_model_parallel_size=1
         actor_rollout_ref.rollout.dtype=float32  # bf16 matmuls are slow on most CPUs
         +actor_rollout_ref.rollout.engine_kwargs.hfcpu.num_threads=1
-        actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2
+        actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2  # the FSDP path run on CPU here
+        +actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32  # compute as the rollout does, so
+        +actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32    # rollout and actor log-probs agree
         +actor_rollout_ref.model.override_config.attn_implementation=sdpa   # no flash-attn on CPU
         actor_rollout_ref.model.use_remove_padding=False                    # remove-padding needs flash-attn
-        transfer_queue.backend.SimpleStorage.num_data_storage_units=1
+        transfer_queue.backend.SimpleStorage.num_data_storage_units=1   # one storage actor is enough on 2 cores
 
     ``python -m nemo_gym_browser.testing.cpu_backend.main_ppo_cpu --workdir DIR`` builds a toy model, data and
     reward and runs ``main_ppo`` with exactly these settings.
@@ -65,6 +67,8 @@ PLUGIN_MODULE = "nemo_gym_browser.testing.cpu_backend.plugin"
 FORCE_ENV = "NEMO_GYM_BROWSER_CPU_BACKEND_FORCE"
 # Where the rollout server reads its thread count: rollout.engine_kwargs is a free-form dict per backend.
 THREADS_KEY = "num_threads"
+# The rollout's dtype names and verl's FSDP mixed-precision names for the same dtypes.
+_FSDP_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def cpu_env(*, num_threads: int = 1) -> dict[str, str]:
@@ -87,8 +91,12 @@ def cpu_overrides(*, num_threads: int = 1, logical_cpus: int = 16, dtype: str = 
     """The hydra overrides that put ``main_ppo`` on the ``cpu`` platform with the ``hfcpu`` rollout.
 
     ``num_threads`` is the rollout server's torch thread count (keep it at 1 on a 2-core machine that also runs a
-    browser); ``logical_cpus`` is what Ray believes it has, so that verl's actors (one CPU each) can be placed.
+    browser); ``logical_cpus`` is what Ray believes it has, so that verl's actors (one CPU each) can be placed;
+    ``dtype`` is the rollout's and the actor's and reference's compute dtype (``float32``, ``bfloat16``,
+    ``float16``): the same on both sides, so that ``rollout_log_probs`` and the actor's ``old_log_probs`` agree.
     """
+    if dtype not in _FSDP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_FSDP_DTYPES)}, got {dtype!r}")
     return [
         "trainer.device=cpu",
         "trainer.nnodes=1",
@@ -104,6 +112,8 @@ def cpu_overrides(*, num_threads: int = 1, logical_cpus: int = 16, dtype: str = 
         f"+actor_rollout_ref.rollout.engine_kwargs.{ROLLOUT_NAME}.{THREADS_KEY}={int(num_threads)}",
         "actor_rollout_ref.actor.strategy=fsdp2",
         "actor_rollout_ref.ref.strategy=fsdp2",
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={_FSDP_DTYPES[dtype]}",
+        f"+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype={_FSDP_DTYPES[dtype]}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",

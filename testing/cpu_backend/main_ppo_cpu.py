@@ -1,7 +1,7 @@
-"""Run verl's real ``main_ppo`` on CPU: the ``cpu`` platform, the ``hfcpu`` rollout, a tiny policy, a toy reward.
+"""Run verl's real ``main_ppo`` on CPU: the ``cpu`` platform, the ``hfcpu`` rollout, a random tiny model, a toy reward.
 
 What it does
-    Writes a tiny seeded Qwen2 (``toy.save_tiny_policy``) and a 4-row parquet data set into ``--workdir``, then runs
+    Writes a tiny seeded Qwen2 (``toy.save_random_policy``) and a 4-row parquet data set into ``--workdir``, then runs
     ``python -m verl.trainer.main_ppo`` with ``single_turn_agent``, GRPO, the toy reward of ``toy.compute_score``,
     :func:`cpu_env` over the current environment and :func:`cpu_overrides` plus :func:`toy_overrides` (and any
     overrides after ``--``). Ray runs on 127.0.0.1 without a dashboard and stops with the run.
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from . import cpu_env, cpu_overrides
-from .toy import save_tiny_policy, write_toy_dataset
+from .toy import save_random_policy, write_toy_dataset
 
 __all__ = ["main", "main_ppo_command", "toy_overrides"]
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 1")
 
     workdir = args.workdir.resolve()
-    save_tiny_policy(workdir / "model")
+    save_random_policy(workdir / "model")
     write_toy_dataset(workdir / "data")
     env = cpu_env()
     command = main_ppo_command(workdir, steps=args.steps, extra=args.overrides)

@@ -11,6 +11,11 @@ The pieces, as verl 0.9.1 splits a rollout backend (``vllm_rollout`` has the sam
       Supported in hybrid mode only (actor and rollout colocated, weights synced in process: the sync and
       colocate-async V1 trainers and the legacy trainer); standalone and colocated replicas raise.
       ``abort_request`` mirrors vLLM's replica; everything else is ``RolloutReplica``'s own fan-out to the server.
+      What verl 0.9.1's trainers call on it: ``sleep`` (every step and before loading a checkpoint),
+      ``abort_all_requests``/``resume_generation`` (colocate-async trainer), ``start_profile``/``stop_profile``
+      (rollout profiling). ``wake_up`` and the kv-cache calls come only from non-naive checkpoint engines and
+      reward-model replicas, which ``hfcpu`` does not support: the server does not have them, so such a call fails
+      loudly instead of doing nothing.
     * :class:`HFCpuServerAdapter` (verl's rollout registry, ``("hfcpu", "async")``): the ``BaseRollout`` inside each
       actor worker. With the naive checkpoint engine the trainer calls ``update_weights(weights, global_steps=...)``
       every step with a generator of the actor's full tensors; every rank drains it (FSDP gathers each tensor
@@ -20,6 +25,7 @@ The pieces, as verl 0.9.1 splits a rollout backend (``vllm_rollout`` has the sam
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable
@@ -39,6 +45,11 @@ from . import platform as cpu_platform
 from . import server as hfcpu_server
 
 logger = logging.getLogger(__name__)
+
+# Loading weights from disk (a non-dummy load_format) and sending a whole model through Ray both scale with its size;
+# these bound a stuck server, not a slow one.
+SERVER_START_TIMEOUT_S = 600.0
+WEIGHT_UPDATE_TIMEOUT_S = 600.0
 
 __all__ = ["HFCpuReplica", "HFCpuServerAdapter", "register", "server_actor_name", "start_server_actor"]
 
@@ -86,7 +97,7 @@ class HFCpuReplica(RolloutReplica):
         handle = start_server_actor(
             self.config, self.model_config, self.replica_rank, name=name, max_concurrency=self.max_concurrency
         )
-        description = await handle.describe.remote()
+        description = await asyncio.wait_for(handle.describe.remote(), SERVER_START_TIMEOUT_S)
         logger.info("hfcpu replica %d: server %s up: %s", self.replica_rank, name, description)
         self.servers = [handle]
         self._server_handle = handle
@@ -144,7 +155,9 @@ class HFCpuServerAdapter(BaseRollout):
                 state_dict[name] = full.detach().to("cpu", copy=True)
         if not self.is_sender:
             return
-        summary = await self._server_handle().update_weights.remote(state_dict, global_steps=global_steps)
+        summary = await asyncio.wait_for(
+            self._server_handle().update_weights.remote(state_dict, global_steps=global_steps), WEIGHT_UPDATE_TIMEOUT_S
+        )
         logger.info("hfcpu replica %d: weights updated: %s", self.replica_rank, summary)
 
 

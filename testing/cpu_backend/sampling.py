@@ -2,8 +2,9 @@
 
 What it owns
     * :func:`parse_sampling_params`: the dict verl's agent loops hand ``generate`` (``AgentLoopWorker`` builds
-      ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and ``logprobs``; callers may add
-      ``max_tokens``/``max_new_tokens``, ``ignore_eos``, ``seed``) turned into a frozen :class:`SamplingSpec`.
+      ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and ``logprobs``; ``ToolAgentLoop`` adds its tool
+      parser's ``stop_token_ids``; other callers add ``max_tokens``/``max_new_tokens``, ``ignore_eos``, ``seed``)
+      turned into a frozen :class:`SamplingSpec`.
       Any other key raises :class:`UnsupportedSamplingParameter`: vLLM would honour it, and silently ignoring it
       would train on samples drawn from a different distribution than the caller asked for.
     * :func:`choose_token`: one decoding step, in vLLM's order: repetition penalty over prompt and output tokens;
@@ -51,6 +52,7 @@ SUPPORTED_KEYS = frozenset(
         "repetition_penalty",
         "ignore_eos",
         "seed",
+        "stop_token_ids",
     }
 )
 
@@ -69,8 +71,9 @@ class SamplingSpec:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     logprobs: bool = False
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # end-of-sequence ids do not stop; stop_token_ids still do (as vLLM)
     seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +129,7 @@ def parse_sampling_params(
         logprobs=bool(params.get("logprobs", False)),
         ignore_eos=bool(params.get("ignore_eos", ignore_eos)),
         seed=None if seed is None else int(seed),
+        stop_token_ids=frozenset(int(token) for token in params.get("stop_token_ids") or ()),
     )
 
 

@@ -9,7 +9,8 @@ What it owns
       * ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput``, as ``LLMServerClient`` calls it:
         the sampling parameters of ``sampling.py`` (temperature 0 is greedy), ``max_tokens`` defaulting to vLLM's
         ``min(response_length, prompt_length + response_length - len(prompt))`` within ``max_model_len``, a stop at
-        any end-of-sequence id (tokenizer, model config and generation config; none with ``ignore_eos``),
+        any end-of-sequence id (tokenizer, model config and generation config; none with ``ignore_eos``) and at any
+        of the request's ``stop_token_ids`` (the stop token is the last one returned, as vLLM returns it),
         ``log_probs`` when ``logprobs`` is asked, and ``extra_fields["global_steps"]``, the weight version the
         trainer set. ``stop_reason`` follows vLLM's server in verl: ``"completed"`` for an EOS and for the token
         budget alike, ``"aborted"`` for a request stopped by an abort.
@@ -29,8 +30,8 @@ Guarantees
       ``ray.cancel`` and an in-process caller's cancel do; ``abort_request``; ``abort_all_requests``) stops within
       one forward pass and releases the lock; a cancelled coroutine re-raises ``CancelledError`` after the decode
       thread has let go of the model. Cancelling the *caller* of a Ray call is not enough: Ray 2.60 does not cancel
-      the actor task when the awaiting asyncio task is cancelled, so verl's own client never reaches the server
-      that way (the same holds for vLLM).
+      the actor task when the awaiting asyncio task is cancelled (the same holds for vLLM's server), which is why
+      the recipe's loop ``ray.cancel``s the requests of a generation it cuts (``browser_agent_loop.generate_within``).
     * The decode runs in one dedicated thread with ``torch.set_num_threads(num_threads)``
       (``rollout.engine_kwargs.hfcpu.num_threads``, default 1), so the server does not starve a browser or the
       trainer on a small machine; the actor's event loop stays free for aborts and weight updates.
@@ -42,7 +43,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -269,7 +269,7 @@ class HFCpuServer:
             if spec.repetition_penalty != 1.0:
                 seen = torch.zeros(output.logits.shape[-1], dtype=torch.bool)
                 seen[prompt] = True
-            for step in itertools.count():
+            for step in range(spec.max_tokens):
                 if request.cancel.is_set():
                     return tokens, log_probs, "abort"
                 token, log_prob = choose_token(
@@ -283,14 +283,13 @@ class HFCpuServer:
                 log_probs.append(log_prob)
                 if seen is not None:
                     seen[token] = True
-                if token in self._eos_ids and not spec.ignore_eos:
+                if token in spec.stop_token_ids or (token in self._eos_ids and not spec.ignore_eos):
                     return tokens, log_probs, "stop"
-                if step + 1 >= spec.max_tokens:
-                    return tokens, log_probs, "length"
-                output = self._model(
-                    input_ids=torch.tensor([[token]]), past_key_values=output.past_key_values, use_cache=True
-                )
-        raise AssertionError("unreachable")  # pragma: no cover
+                if step + 1 < spec.max_tokens:
+                    output = self._model(
+                        input_ids=torch.tensor([[token]]), past_key_values=output.past_key_values, use_cache=True
+                    )
+        return tokens, log_probs, "length"
 
     # ----- aborts
 

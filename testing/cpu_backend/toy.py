@@ -1,7 +1,7 @@
-"""A tiny policy, data set and reward for exercising ``main_ppo`` and the ``hfcpu`` rollout on CPU.
+"""A random tiny model, a data set and a reward for exercising ``main_ppo`` and the ``hfcpu`` rollout on CPU.
 
 What it gives
-    * :func:`save_tiny_policy`: a model folder ``from_pretrained`` loads: the in-process test tokenizer
+    * :func:`save_random_policy`: a model folder ``from_pretrained`` loads: the in-process test tokenizer
       (``testing/tokenizer.py``) and a randomly initialised two-layer Qwen2 with real weights, seeded, so two calls
       with the same seed write the same model and different seeds different ones (in 0.1 s).
     * :func:`write_toy_dataset`: verl's RL parquet rows (``prompt`` as chat messages, ``reward_model.ground_truth``).
@@ -13,18 +13,17 @@ Nothing is downloaded. The model learns nothing useful; it exists so that every 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..tokenizer import save_test_model
 
-__all__ = ["compute_score", "save_tiny_policy", "write_toy_dataset"]
+__all__ = ["compute_score", "save_random_policy", "write_toy_dataset"]
 
 DATA_SOURCE = "cpu_backend_toy"
 
 
-def save_tiny_policy(directory: str | Path, *, seed: int = 0, hidden_size: int = 32, init_std: float = 0.5) -> Path:
+def save_random_policy(directory: str | Path, *, seed: int = 0, hidden_size: int = 32, init_std: float = 0.5) -> Path:
     """Write tokenizer, config, generation config and seeded random weights of a tiny Qwen2 into ``directory``.
 
     ``init_std`` is far above a real model's 0.02 so that the untrained model's next-token distributions are peaked
@@ -64,7 +63,6 @@ def write_toy_dataset(directory: str | Path, *, rows: int = 4) -> dict[str, Path
     paths = {"train": directory / "train.parquet", "val": directory / "val.parquet"}
     pd.DataFrame(records).to_parquet(paths["train"])
     pd.DataFrame(records[: max(1, rows // 2)]).to_parquet(paths["val"])
-    (directory / "README.json").write_text(json.dumps({"rows": rows, "data_source": DATA_SOURCE}))
     return paths
 
 

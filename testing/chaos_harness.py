@@ -10,7 +10,7 @@ What a run does
       judge that stops answering (tasks without ``verifier_metadata``);
     * a policy outcome: a clean walk, a wrong answer, an element id not on the page, arguments the server rejects
       (422), a URL of its own that fails to load, a URL the guard refuses, no answer at all, running out of turns,
-      running out of wall-clock time, a task the judge grades;
+      running out of environment time (slow pages: the deadline does not count generation), a task the judge grades;
     * or, in the server-wide phases, whatever hits it: a server killed and restarted while the phase's sessions
       are open (every session open on it then is a victim), and a burst of 503s on every call a server gets for a
       while (every session that received one is a victim; the rest had no fault).

@@ -1,0 +1,148 @@
+"""``sbatch submit_webvoyager.sh`` trains for real (not ``--dry-run``) on a single-node Slurm started on this machine.
+
+The job does what it does on a GPU cluster: checks, composes and preflights the config, starts the real nemo-gym
+server with Chromium, walks a smoke episode, forms the Ray cluster, checks the settings inside a Ray worker, and then
+runs ``python -m verl.trainer.main_ppo`` with the recipe's config. The only differences: ``config.env`` exports the
+CPU backend's environment (``testing/cpu_backend``: ``VERL_PLATFORM=cpu`` and the ``hfcpu`` rollout in place of
+vLLM), the model is the warm-started tiny policy, the tasks are the Corner Shop's, and the run is two steps long.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_fixtures import PORT_SEARCH_START, LocalSlurm, free_ports, leftover_processes
+
+from nemo_gym_browser.testing import cpu_backend
+from nemo_gym_browser.testing.training_run import read_step_metrics
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "submit_webvoyager.sh"
+STEPS = 2
+# The dry run's ~1-2 minutes of checks and start-up, then main_ppo's Ray start, model load and two CPU steps.
+JOB_TIMEOUT_S = 1800
+
+
+def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path]) -> tuple[Path, int, int]:
+    """A config.env for a two-step CPU training job: one server, the tiny policy, the shop rows, loopback ports."""
+    env_port = free_ports(1, start=PORT_SEARCH_START + 4000)[0]
+    ray_port = free_ports(1, start=PORT_SEARCH_START + 5000)[0]
+    settings = {
+        "MODEL_PATH": policy,
+        "TRAIN_FILES": rows[0],
+        "VAL_FILES": rows[1],
+        "LOG_DIR": tmp_path / "logs",
+        "CHECKPOINT_DIR": tmp_path / "checkpoints",
+        "GPUS_PER_NODE": 1,
+        "AGENT_WORKERS_PER_NODE": 1,
+        "ROLLOUT_N": 2,
+        "TRAIN_BATCH_SIZE": 2,
+        "PPO_MINI_BATCH_SIZE": 2,
+        "MAX_PROMPT_LENGTH": 1536,
+        "MAX_RESPONSE_LENGTH": 2048,
+        "MAX_TOKEN_LEN_PER_GPU": 3584,
+        "MAX_ASSISTANT_TURNS": 6,
+        "ROLLOUT_TP": 1,
+        "TOTAL_EPOCHS": 1,
+        "ENV_SERVERS_PER_NODE": 1,
+        "ENV_BASE_PORT": env_port,
+        "RAY_PORT": ray_port,
+        # `ray start` gets the logical resources the CPU backend's ray_init overrides give a private Ray
+        "RAY_NUM_GPUS": 1,
+        "RAY_NUM_CPUS": 16,
+        "JUDGE_ENABLE": 0,  # every shop task has verifier_metadata
+        "LOGGER": "console,file",
+        "SAVE_FREQ": STEPS,
+        "TEST_FREQ": 100,
+        "EXPERIMENT_NAME": "slurm_cpu",
+    }
+    lines = [f"{key}={value}" for key, value in settings.items()]
+    exports = {**cpu_backend.cpu_env(), "VERL_FILE_LOGGER_PATH": str(tmp_path / "metrics.jsonl")}
+    lines += [f"export {key}={value}" for key, value in exports.items()]
+    config_env = tmp_path / "config.env"
+    config_env.write_text("\n".join(lines) + "\n")
+    return config_env, env_port, ray_port
+
+
+def cpu_job_overrides() -> list[str]:
+    """The CPU backend's overrides for a job whose Ray cluster the script starts (`ray start` has the resources)."""
+    return [o for o in cpu_backend.cpu_overrides() if "ray_kwargs" not in o] + [
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.val_before_train=False",
+    ]
+
+
+def test_sbatch_trains_two_real_steps_with_the_recipe_and_leaves_nothing_running(
+    local_slurm: LocalSlurm, shop_site, tiny_policy: Path, shop_rows: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config_env, env_port, ray_port = training_config(tmp_path, tiny_policy, shop_rows)
+    run_id = f"slurm-train-{os.getpid()}-{int(time.time())}"
+    job_log = tmp_path / "job.out"
+    started = time.monotonic()
+    submitted = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            "--nodes=1",
+            "--gpus-per-node=0",  # the CPU backend: the header's 8 GPUs are not asked for
+            "--time=30",
+            f"--output={job_log}",
+            str(SCRIPT),
+            *cpu_job_overrides(),
+        ],
+        env={**local_slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    job_s = time.monotonic() - started
+    log = job_log.read_text() if job_log.exists() else ""
+    assert submitted.returncode == 0, (
+        f"sbatch exit {submitted.returncode}\nstdout: {submitted.stdout}\nstderr: {submitted.stderr}\n"
+        f"job log:\n{log[-8000:]}"
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    print(f"sbatch --wait submit_webvoyager.sh (2 CPU training steps) took {job_s:.0f} s")
+    state = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], env=local_slurm.env, capture_output=True, text=True, timeout=30
+    ).stdout
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
+
+    expected = [
+        f"run {run_id}: mode train, 1 node(s) (localhost)",
+        "smoke episodes walked and verified on 1 server(s) x 1 node(s)",
+        f"Ray head up at 127.0.0.1:{ray_port} (loopback)",
+        "settings checked inside Ray workers on every node",
+        "WARNING: VERL_PLATFORM=cpu: training on the CPU test backend",
+        "training: ",
+        f"cleanup: done; no process of run {run_id} is left on localhost",
+    ]
+    positions = [log.find(line) for line in expected]
+    assert all(p >= 0 for p in positions), [e for e, p in zip(expected, positions, strict=True) if p < 0]
+    assert positions == sorted(positions), "the steps ran out of order"
+    assert "dry run passed" not in log
+
+    # verl's own metrics: two real steps, rollouts scored by the environment's verify, the recipe's flags counted
+    steps = read_step_metrics(tmp_path / "metrics.jsonl")
+    assert sorted(steps) == [1, 2], log[-4000:]
+    for metrics in steps.values():
+        assert metrics["env/samples"] == 4  # TRAIN_BATCH_SIZE x ROLLOUT_N
+        assert metrics["env/reward_source/verify"] == 1.0
+        assert "actor/pg_loss" in metrics and "grpo_env_aware/invalid_fraction" in metrics
+    checkpoints = tmp_path / "checkpoints" / "nemo_gym_browser" / "slurm_cpu"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
+
+    left = leftover_processes(job_id, log)
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
+    for port in (env_port, ray_port):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"

@@ -39,7 +39,7 @@ from nemo_gym_browser.testing.cpu_backend.rollout import (
     start_server_actor,
 )
 from nemo_gym_browser.testing.cpu_backend.sampling import UnsupportedSamplingParameter
-from nemo_gym_browser.testing.cpu_backend.server import HFCpuServer
+from nemo_gym_browser.testing.cpu_backend.server import HFCpuServer, server_settings
 from nemo_gym_browser.testing.cpu_backend.toy import save_random_policy
 from nemo_gym_browser.testing.tokenizer import IM_END, build_test_tokenizer
 
@@ -66,6 +66,14 @@ def rollout_config(**overrides) -> RolloutConfig:
 
 def model_config(path: Path) -> dict:
     return {"path": str(path), "override_config": {"attn_implementation": "sdpa"}}
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """A server sets its process's torch thread count (under Ray, its own process); restore the test process's."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -436,6 +444,13 @@ async def test_a_generation_the_recipes_loop_cuts_is_stopped_on_the_server(ray_s
 
 
 # ----- registration, selection and configuration
+
+
+def test_the_thread_count_comes_from_engine_kwargs_and_a_misspelt_key_is_refused():
+    assert server_settings(rollout_config()).num_threads == 1
+    assert server_settings(rollout_config(engine_kwargs={ROLLOUT_NAME: {"num_threads": 2}})).num_threads == 2
+    with pytest.raises(ValueError, match="num_thread"):
+        server_settings(rollout_config(engine_kwargs={ROLLOUT_NAME: {"num_thread": 2}}))
 
 
 def test_hfcpu_is_registered_with_both_of_verls_rollout_registries():

@@ -7,8 +7,11 @@ What it does
     overrides after ``--``). Ray runs on 127.0.0.1 without a dashboard and stops with the run.
 
 It is a hand check of the whole training step on a machine without a GPU (rollout with log-probs, reward,
-old/ref log-probs, GRPO advantage, actor update, weight sync back to the rollout), not a CI test: two steps take
-about a minute of two busy cores.
+old/ref log-probs, GRPO advantage, actor update, weight sync back to the rollout), not a CI test. Measured on the
+project machine (2 cores shared with other work, load average about 10): 122 s from start to exit, step 1 14.8 s
+(it starts the agent-loop workers), step 2 2.4 s (generation 2.0 s of it), a peak of 3.9 GiB proportional set size
+over the job's 20 processes, and ``training/rollout_probs_diff_max`` 2.4e-6 on both steps (the rollout's log-probs
+against the actor's recomputed ones, after each weight sync).
 
 Examples::
 

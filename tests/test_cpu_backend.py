@@ -3,7 +3,8 @@
 The server runs a tiny seeded Qwen2 (``toy.save_random_policy``); every expectation is computed independently, from
 full forward passes of the same weights loaded with plain transformers (no cache, no sampling code shared with the
 server). Ray is used only where the behaviour is Ray's: the actor, verl's client and router, ``ray.cancel``. The
-platform is checked in fresh interpreters, because verl picks its platform once per process.
+``cpu`` platform is checked in a fresh interpreter, because verl picks its platform once per process; this process
+(which imports the backend without selecting it) shows that importing alone selects and patches nothing.
 """
 
 from __future__ import annotations

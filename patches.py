@@ -501,8 +501,8 @@ def _append_advantage_log(path: str, step: Any, batch: Any, flags: Any) -> None:
 
     fields = ["uid", "rm_scores", "advantages", "response_mask"]
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-    uids = data["uid"].tolist()
-    columns = [data[name].unbind() for name in ("rm_scores", "advantages", "response_mask")]
+    uids = data.get("uid").tolist()
+    columns = [data.get(name).unbind() for name in ("rm_scores", "advantages", "response_mask")]
     tags = batch.tags or [{}] * len(batch.keys)
     samples = []
     for index, (key, uid, tag, (scores, advantages, mask)) in enumerate(

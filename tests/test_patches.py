@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -458,6 +459,33 @@ def test_v1_compute_advantage_keeps_an_invalid_sample_out_of_its_groups_baseline
     values, metrics = run_v1(tq, keys, v1_trainer())
     assert [round(values[key], 5) for key in keys] == [0.66667, 0.0, -0.33333, -0.33333]
     assert metrics[patches.INVALID_FRACTION_METRIC] == 0.25
+
+
+def test_v1_advantage_log_records_every_samples_group_flag_score_and_advantage(tq, tmp_path, monkeypatch):
+    log = tmp_path / "advantages.jsonl"
+    monkeypatch.setenv(patches.ADVANTAGE_LOG_ENV, str(log))
+    uid = new_uid()
+    keys = put_group(
+        uid,
+        [
+            output(1.0, flags(False)),
+            output(0.0, flags(True), masked=True),
+            output(0.0, flags(False)),
+            output(0.0, flags(False)),
+        ],
+    )
+    trainer = v1_trainer()
+    trainer.global_steps = 7
+    values, _ = run_v1(tq, keys, trainer)
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["step"] == 7
+    assert [s["key"] for s in record["samples"]] == keys
+    assert {s["uid"] for s in record["samples"]} == {uid}
+    assert [s["env_invalid"] for s in record["samples"]] == [False, True, False, False]
+    assert [s["score"] for s in record["samples"]] == [1.0, 0.0, 0.0, 0.0]
+    assert [s["response_tokens"] for s in record["samples"]] == [3, 0, 3, 3]
+    assert [s["advantage"] for s in record["samples"]] == pytest.approx([values[key] for key in keys])
+    assert [round(s["advantage"], 5) for s in record["samples"]] == [0.66667, 0.0, -0.33333, -0.33333]
 
 
 def test_v1_multi_output_sessions_still_broadcast_the_final_outputs_advantage(tq):

@@ -22,6 +22,7 @@ How to run ``main_ppo`` on CPU (one source of truth: :func:`cpu_env` and :func:`
         VERL_ENGINE_DEVICE=cuda                 # verl's FSDP engine is registered for cuda/npu only; its code is
                                                 # device-agnostic (it goes through the platform)
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0     # Ray keeps a 127.0.0.1 node address instead of the outward one
+        RAY_USAGE_STATS_ENABLED=0               # Ray would otherwise report usage to an outside server
         OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
         HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
@@ -79,6 +80,7 @@ def cpu_env(*, num_threads: int = 1) -> dict[str, str]:
         "VERL_PLATFORM": PLATFORM_NAME,
         "VERL_ENGINE_DEVICE": "cuda",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
         "TOKENIZERS_PARALLELISM": "false",

@@ -1,10 +1,11 @@
 """scripts/gpu_check.sh, checked where no GPU exists: its help, its refusals, and the run it would start.
 
-The vLLM run itself needs an NVIDIA GPU. Here: ``--help`` names the versions verl 0.9.1 pins for vLLM, the script
-refuses cleanly (exit 1, the reason, nothing started) on a machine without a GPU or with a GPU but no CUDA torch and
-no vLLM, and the overrides of ``--print-command`` compose with verl's real configuration through ``main_ppo --cfg
-job`` into a valid one-GPU vLLM rollout config. A missing or broken GPU is shown to the script by a small
-``nvidia-smi`` stand-in on PATH that prints what the real one prints in those cases.
+The vLLM run itself needs an NVIDIA GPU. Here: ``--help`` names the versions verl 0.9.1 pins for vLLM; the script
+refuses cleanly (exit 1, the reason, nothing started) without a GPU, with a GPU but no CUDA torch and no vLLM, with
+too little free GPU memory or a model head size vLLM cannot take; the overrides of ``--print-command`` compose with
+verl's real configuration through ``main_ppo --cfg job`` into a valid one-GPU vLLM rollout config; and the summary
+reads what verl's own file logger wrote. A missing or broken GPU is shown to the script by a small ``nvidia-smi``
+stand-in on PATH that prints what the real one prints in those cases.
 """
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ def test_a_gpu_with_a_cpu_only_torch_and_no_vllm_is_refused_naming_both_fixes(tm
     vllm = vllm_extra_pins()["vllm"]
     assert f'vLLM is not installed: pip install "verl[vllm]==0.9.1" (vllm {vllm})' in result.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_a_model_whose_head_size_no_vllm_attention_backend_takes_is_refused(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2}')
+    path = fake_nvidia_smi(tmp_path / "bin", "NVIDIA A100-SXM4-80GB, 80000, 81920")
+    result = run_script("--model", str(model), "--workdir", str(tmp_path / "work"), path=path)
+    assert result.returncode == 1
+    assert "--model has head_dim 12: vLLM's attention backends need a multiple of 8 <= 256" in result.stderr
 
 
 def test_a_gpu_mostly_in_use_by_other_processes_is_refused_before_vllm_would_fail(tmp_path: Path) -> None:
@@ -218,3 +229,31 @@ def test_the_training_run_cli_and_the_policy_builder_know_every_flag_the_script_
         shown = capsys.readouterr().out
         for flag in {word for word in command[3:] if word.startswith("--")}:
             assert re.search(rf"(^|\s|\[){re.escape(flag)}\b", shown), f"{cli.__name__} has no {flag}"
+
+
+def test_the_summary_shows_each_steps_times_reward_and_env_metrics_from_verls_file_logger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from verl.utils.tracking import FileLogger
+
+    metrics = tmp_path / "work" / "run" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(metrics))
+    logger = FileLogger("nemo_gym_browser_local", "run")
+    for step, (seconds, reward, resampled) in enumerate([(41.5, 0.25, 0.125), (38.25, 0.375, 0.0625)], start=1):
+        timings = {"timing_s/step": seconds, "timing_s/gen": seconds - 10, "timing_s/update_actor": 2.5}
+        env = {"env/invalid_rate": 0.0, "env/resampled_rate": resampled, "env/attempts/max": 2.0}
+        logger.log({**timings, "critic/score/mean": reward, **env, "actor/lr": 1e-4}, step=step)
+    logger.finish()
+
+    result = run_script("--summary", "--workdir", str(tmp_path / "work"), "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    rows = {line[:34].strip(): line[34:].split() for line in result.stdout.splitlines()[1:]}
+    assert rows["step"] == ["1", "2"]
+    assert rows["step s"] == ["41.500", "38.250"] and rows["gen s"] == ["31.500", "28.250"]
+    assert rows["reward"] == ["0.250", "0.375"] and rows["sync s"] == ["nan", "nan"]  # not logged: shown as such
+    assert rows["env/resampled_rate"] == ["0.125", "0.062"] and rows["env/attempts/max"] == ["2.000", "2.000"]
+    assert "actor/lr" not in rows
+
+    short = run_script("--summary", "--workdir", str(tmp_path / "work"), "--steps", "3")
+    assert short.returncode == 1 and "main_ppo logged 2 of 3 steps" in short.stderr

@@ -1,0 +1,510 @@
+"""The Corner Shop: a small local web site and a graded task suite over it, for training and evaluating on CPU.
+
+What this module owns
+    * The catalogue (:data:`CATEGORIES`): six sections of four items, each item with a price. Every page of
+      ``testing/site/shop/`` is rendered from it (:func:`render_pages`), and so are the task files
+      ``examples/shop_tasks_train.jsonl`` and ``examples/shop_tasks_heldback.jsonl`` (:func:`task_records`).
+      ``python -m nemo_gym_browser.testing.shop_tasks --write`` regenerates them; ``--check`` fails when a committed
+      file differs from what the catalogue renders.
+    * The same pages for the fake environment server (:func:`fake_site`): a :class:`~.fake_environment.Site` whose
+      observations equal the real server's for every page (checked against Chromium by the integration tier),
+      including the search results page that the real site builds with a script.
+    * Serving the real pages (:func:`serve`): :class:`~.local_site.LocalSite` on :data:`SHOP_PORT`, the fixed
+      loopback port the task files name.
+
+The tasks
+    Four kinds, one task of each kind per item (96 tasks). Every kind is solved by the same rule: act on the
+    element whose text is the word the task names.
+
+    ========  =========================  ===================================================  ===============
+    kind      start page                 task (for Mango in Fruit)                             graded by
+    ========  =========================  ===================================================  ===============
+    open      the item's section page    ``Open the Mango page.`` (one click)                  ``final_url``
+    browse    the shop's home page       ``Go to Fruit, then open Mango.`` (two clicks)        ``dom_contains``
+    search    the shop's home page       ``Search the shop for "mango".`` (type, click)        ``url_contains``
+    price     the shop's home page       ``Go to Fruit, open Mango and report its price.``     ``answer_equals``
+    ========  =========================  ===================================================  ===============
+
+    The split is by item: one item per section (:data:`HELD_BACK_ITEMS`, at a different position in each section)
+    is held back, so the 24 held-back tasks target items no training task targets. The held-back items are on the
+    pages of training episodes only as other links; their prices all occur among the training items' prices.
+
+Why a fixed port
+    A task's start URL is absolute (``http://127.0.0.1:8765/shop/...``), so one task file serves the real server,
+    the fake server and a training run alike, and the prompts and observations a policy sees are the same in all
+    three (a free port would change the URL in every prompt from run to run). Only the real server needs the site
+    actually served there; the fake server answers from its page table. The start page's origin is honoured by
+    the recipe's URL guard, and the tasks need no navigation of the policy's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import logging
+import random
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+from . import scripted_policy as sp
+from .fake_environment import Page, PageState, Site, button, link, text_input
+from .local_site import SITE_DIR, LocalSite
+
+logger = logging.getLogger(__name__)
+
+SHOP_PORT = 8765
+SHOP_ORIGIN = f"http://127.0.0.1:{SHOP_PORT}"
+SHOP_FOLDER = "shop"
+SHOP_DIR = SITE_DIR / SHOP_FOLDER
+SITE_NAME = "Corner Shop"
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+TRAIN_FILE = EXAMPLES_DIR / "shop_tasks_train.jsonl"
+HELD_BACK_FILE = EXAMPLES_DIR / "shop_tasks_heldback.jsonl"
+KINDS = ("open", "browse", "search", "price")
+# The answer the demonstrations give when the task asks for no value; graders of those kinds ignore it.
+DONE_ANSWER = "done"
+# An element id no shop page has: what a script clicks when the element it wants is not on the page.
+MISSING_ELEMENT_ID = 99
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    price: int
+    section: str
+
+    @property
+    def slug(self) -> str:
+        return self.name.lower()
+
+
+# Section -> (item, price). Names are one plain word each, so a task names an element by exactly its text.
+CATEGORIES: Mapping[str, tuple[tuple[str, int], ...]] = {
+    "Fruit": (("Apple", 3), ("Banana", 2), ("Cherry", 6), ("Mango", 4)),
+    "Tools": (("Hammer", 9), ("Saw", 7), ("Drill", 8), ("Wrench", 5)),
+    "Books": (("Atlas", 6), ("Novel", 4), ("Diary", 3), ("Comic", 2)),
+    "Toys": (("Kite", 5), ("Puzzle", 7), ("Robot", 9), ("Yoyo", 2)),
+    "Drinks": (("Coffee", 4), ("Tea", 3), ("Juice", 5), ("Soda", 2)),
+    "Garden": (("Rake", 6), ("Shovel", 8), ("Hose", 7), ("Seeds", 3)),
+}
+# One per section, at positions 3, 1, 0, 2, 3, 2: the held-back items are not all the n-th link of their page.
+HELD_BACK_ITEMS = frozenset({"Mango", "Saw", "Atlas", "Robot", "Soda", "Hose"})
+
+
+def items() -> list[Item]:
+    return [Item(name, price, section) for section, entries in CATEGORIES.items() for name, price in entries]
+
+
+def section_file(section: str) -> str:
+    return f"{section.lower()}.html"
+
+
+def item_file(item: Item) -> str:
+    return f"{item.slug}.html"
+
+
+def page_url(file: str, origin: str = SHOP_ORIGIN) -> str:
+    return f"{origin}/{SHOP_FOLDER}/{file}"
+
+
+def price_text(item: Item) -> str:
+    """The line of the item's page that states its price (what ``browse`` tasks are graded on)."""
+    return f"{item.name}: {item.price} coins."
+
+
+# ----- the pages -----------------------------------------------------------------------------------------------
+
+_HEAD = '<!doctype html>\n<html lang="en">\n<head>\n  <meta charset="utf-8">\n  <title>{title}</title>\n</head>\n'
+_INDEX_TEXT = "Pick a section or search."
+_NO_QUERY = "No query."
+_NOTHING_FOUND = "No items found."
+_HOME = "Home"
+_SEARCH = "Search"
+
+
+def _document(title: str, body: Sequence[str]) -> str:
+    lines = "\n".join(f"  {line}" for line in body)
+    return _HEAD.format(title=html.escape(title)) + f"<body>\n{lines}\n</body>\n</html>\n"
+
+
+def _links(entries: Sequence[tuple[str, str]]) -> list[str]:
+    return ["<ul>", *(f'  <li><a href="{href}">{html.escape(name)}</a></li>' for name, href in entries), "</ul>"]
+
+
+def _search_script() -> list[str]:
+    catalogue = json.dumps({item.slug: item.name for item in items()}, separators=(",", ":"))
+    return [
+        "<script>",
+        f"  const items = {catalogue};",
+        '  const q = (new URLSearchParams(location.search).get("q") || "").trim();',
+        "  if (q) {",
+        '    document.getElementById("summary").textContent = "Results for: " + q;',
+        '    const key = q.toLowerCase(), found = document.getElementById("found");',
+        "    if (Object.hasOwn(items, key)) {",
+        '      const entry = document.createElement("li"), anchor = document.createElement("a");',
+        '      anchor.href = key + ".html";',
+        "      anchor.textContent = items[key];",
+        "      entry.append(anchor);",
+        "      found.append(entry);",
+        "    } else {",
+        f'      found.insertAdjacentHTML("afterend", "<p>{_NOTHING_FOUND}</p>");',
+        "    }",
+        "  }",
+        "</script>",
+    ]
+
+
+def render_pages() -> dict[str, str]:
+    """File name -> HTML of every page of the shop (``testing/site/shop/``)."""
+    sections = [(section, section_file(section)) for section in CATEGORIES]
+    pages = {
+        "index.html": _document(
+            SITE_NAME,
+            [
+                f"<h1>{SITE_NAME}</h1>",
+                f"<p>{_INDEX_TEXT}</p>",
+                *_links(sections),
+                '<form action="search.html" method="get">',
+                '  <input name="q" type="text">',
+                f'  <button type="submit">{_SEARCH}</button>',
+                "</form>",
+            ],
+        ),
+        "search.html": _document(
+            _SEARCH,
+            [
+                f"<h1>{_SEARCH}</h1>",
+                f'<p id="summary">{_NO_QUERY}</p>',
+                '<ul id="found"></ul>',
+                f'<p><a href="index.html">{_HOME}</a></p>',
+                *_search_script(),
+            ],
+        ),
+    }
+    for section, entries in CATEGORIES.items():
+        listed = [(name, f"{name.lower()}.html") for name, _ in entries]
+        pages[section_file(section)] = _document(
+            section, [f"<h1>{section}</h1>", *_links(listed), f'<p><a href="index.html">{_HOME}</a></p>']
+        )
+    for item in items():
+        pages[item_file(item)] = _document(
+            item.name,
+            [
+                f"<h1>{item.name}</h1>",
+                f"<p>{html.escape(price_text(item))}</p>",
+                f'<p><a href="{section_file(item.section)}">Back to {item.section}</a></p>',
+            ],
+        )
+    return pages
+
+
+# ----- the same pages for the fake server -----------------------------------------------------------------------
+
+
+def _submit_search(page: PageState) -> str:
+    # A GET form: the browser encodes the field as application/x-www-form-urlencoded.
+    return "search.html?" + urlencode({"q": page.value("q")})
+
+
+def _search_page(query: str) -> Page:
+    query = query.strip()
+    if not query:
+        return Page(title=_SEARCH, text=f"{_SEARCH}\n{_NO_QUERY}\n{_HOME}", elements=(link(_HOME, "index.html"),))
+    by_slug = {item.slug: item for item in items()}
+    found = by_slug.get(query.lower())
+    if found is None:
+        text = f"{_SEARCH}\nResults for: {query}\n{_NOTHING_FOUND}\n{_HOME}"
+        return Page(title=_SEARCH, text=text, elements=(link(_HOME, "index.html"),))
+    text = f"{_SEARCH}\nResults for: {query}\n{found.name}\n{_HOME}"
+    return Page(title=_SEARCH, text=text, elements=(link(found.name, item_file(found)), link(_HOME, "index.html")))
+
+
+class ShopSite(Site):
+    """The fake server's copy of the shop: a page table, plus the search page computed from its query string."""
+
+    def __init__(self, pages: Mapping[str, Page], *, origin: str, **kwargs: Any) -> None:
+        super().__init__(pages, **kwargs)
+        self._search = page_url("search.html", origin)
+
+    def page(self, url: str) -> Page | None:
+        parts = urlsplit(url.partition("#")[0])
+        if f"{parts.scheme}://{parts.netloc}{parts.path}" == self._search:
+            return _search_page(parse_qs(parts.query).get("q", [""])[0])
+        return super().page(url)
+
+
+def fake_site(origin: str = SHOP_ORIGIN, *, base: Site | None = None, order_seed: int | str | None = None) -> ShopSite:
+    """The shop at ``origin`` for :class:`~.fake_environment.FakeEnvironmentServer`, over ``base``'s pages
+    (default: the real server's bundled ``site/``, so the server's own example episode still works).
+
+    ``order_seed``: list the sections on the home page and the items on each section page in a shuffled order
+    (seeded), instead of the real site's, so that demonstrations cannot teach which position to click.
+    """
+    base = base if base is not None else Site.bundled()
+    rng = random.Random(order_seed) if order_seed is not None else None
+
+    def ordered(names: Sequence[str]) -> list[str]:
+        names = list(names)
+        if rng is not None:
+            rng.shuffle(names)
+        return names
+
+    pages = {url: base.page(url) for url in base.urls}
+    sections = ordered(CATEGORIES)
+    pages[page_url("index.html", origin)] = Page(
+        title=SITE_NAME,
+        text="\n".join([SITE_NAME, _INDEX_TEXT, *sections, _SEARCH]),
+        elements=(
+            *(link(section, section_file(section)) for section in sections),
+            text_input("q"),
+            button(_SEARCH, on_click=_submit_search),
+        ),
+    )
+    for section, entries in CATEGORIES.items():
+        names = ordered(name for name, _ in entries)
+        pages[page_url(section_file(section), origin)] = Page(
+            title=section,
+            text="\n".join([section, *names, _HOME]),
+            elements=(*(link(name, f"{name.lower()}.html") for name in names), link(_HOME, "index.html")),
+        )
+    for item in items():
+        back = f"Back to {item.section}"
+        pages[page_url(item_file(item), origin)] = Page(
+            title=item.name,
+            text="\n".join([item.name, price_text(item), back]),
+            elements=(link(back, section_file(item.section)),),
+        )
+    return ShopSite(pages, origin=origin, root=base.root)
+
+
+def serve(port: int = SHOP_PORT) -> LocalSite:
+    """The real pages on ``http://127.0.0.1:<port>`` (not started: use it as a context manager)."""
+    return LocalSite(SITE_DIR, port=port)
+
+
+# ----- the tasks ------------------------------------------------------------------------------------------------
+
+
+def _task(kind: str, item: Item, origin: str) -> dict[str, Any]:
+    """One task in WebVoyager's format; ``kind``, ``item`` and ``split`` are kept by the preparation as metadata."""
+    section_page, home = page_url(section_file(item.section), origin), page_url("index.html", origin)
+    if kind == "open":
+        start, question = section_page, f"Open the {item.name} page."
+        verifier = {"final_url": page_url(item_file(item), origin)}
+    elif kind == "browse":
+        start, question = home, f"Go to {item.section}, then open {item.name}."
+        verifier = {"dom_contains": price_text(item)}
+    elif kind == "search":
+        start, question = home, f'Search the shop for "{item.slug}".'
+        verifier = {"url_contains": "search.html?" + urlencode({"q": item.slug})}
+    elif kind == "price":
+        start, question = home, f"Go to {item.section}, open {item.name} and report its price."
+        verifier = {"answer_equals": str(item.price)}
+    else:
+        raise ValueError(f"unknown task kind {kind!r}; known: {KINDS}")
+    return {
+        "web_name": SITE_NAME,
+        "id": f"shop--{kind}-{item.slug}",
+        "ques": question,
+        "web": start,
+        "verifier_metadata": verifier,
+        "kind": kind,
+        "item": item.name,
+        "split": "heldback" if item.name in HELD_BACK_ITEMS else "train",
+    }
+
+
+def task_records(split: str | None = None, origin: str = SHOP_ORIGIN) -> list[dict[str, Any]]:
+    """The tasks (all, or those of ``split``: ``train`` or ``heldback``), ordered by kind, then catalogue order."""
+    if split not in (None, "train", "heldback"):
+        raise ValueError(f"split must be 'train', 'heldback' or None, got {split!r}")
+    records = [_task(kind, item, origin) for kind in KINDS for item in items()]
+    return [record for record in records if split is None or record["split"] == split]
+
+
+# ----- solving them: the scripted demonstrations ----------------------------------------------------------------
+
+_ELEMENT = re.compile(r"^\s*\[(\d+)\]\s*([^:]*):\s*(.*)$")
+
+
+def elements(observation: str | None) -> list[tuple[int, str, str]]:
+    """``(id, tag, name)`` of every element line of an observation."""
+    found = []
+    for line in (observation or "").splitlines():
+        match = _ELEMENT.match(line)
+        if match:
+            found.append((int(match.group(1)), match.group(2).strip(), match.group(3).strip()))
+    return found
+
+
+def read_price(observation: str | None) -> str | None:
+    """The price an item page states (``Mango: 4 coins.``), as the digits a ``price`` task expects."""
+    text = (observation or "").partition("\nTEXT:\n")[2]
+    match = re.search(r"\b\w+: (\d+) coins\.", text)
+    return match.group(1) if match else None
+
+
+class Chooser:
+    """How a demonstration picks among the plausible elements: the one the task names with probability
+    ``correct``, else one drawn uniformly from all plausible ones (the named one included).
+
+    ``correct=1.0`` is the solver; lower values give demonstrations that act in the right format but choose the
+    right element only sometimes. Deterministic for a given ``rng`` and sequence of calls.
+    """
+
+    def __init__(self, correct: float = 1.0, rng: random.Random | None = None, *, never_named: bool = False) -> None:
+        if not 0.0 <= correct <= 1.0:
+            raise ValueError(f"correct must be in [0, 1], got {correct}")
+        self.correct = correct
+        self.rng = rng if rng is not None else random.Random(0)
+        self.never_named = never_named
+
+    @classmethod
+    def always_wrong(cls) -> Chooser:
+        """Picks the first plausible element that is not the named one (for tests of what a wrong play scores)."""
+        return cls(0.0, never_named=True)
+
+    def pick(self, named: str, plausible: Sequence[str]) -> str:
+        if self.never_named:
+            return next(name for name in plausible if name != named)
+        if self.correct >= 1.0 or self.rng.random() < self.correct:
+            return named
+        return self.rng.choice(list(plausible))
+
+
+_SECTIONS = frozenset(CATEGORIES)
+_ITEM_NAMES = frozenset(item.name for item in items())
+
+
+def _click_named(named: str, chooser: Chooser) -> sp.Step:
+    def step(view: sp.PolicyView) -> str:
+        listed = elements(view.last_observation)
+        plausible = [name for _, tag, name in listed if tag == "a" and name in (_SECTIONS | _ITEM_NAMES)]
+        if named in plausible:
+            choice = chooser.pick(named, plausible)
+        else:  # off the named path after an earlier wrong pick: any plausible element, as a guess would be
+            choice = chooser.rng.choice(plausible) if plausible else named
+        ids = [eid for eid, tag, name in listed if tag == "a" and name == choice]
+        return sp.browser("click", element_id=ids[0] if ids else MISSING_ELEMENT_ID)
+
+    return step
+
+
+def _type_query(query: str, chooser: Chooser, others: Sequence[str]) -> sp.Step:
+    def step(view: sp.PolicyView) -> str:
+        inputs = [eid for eid, tag, _ in elements(view.last_observation) if tag == "input"]
+        text = chooser.pick(query, [query, *others])
+        return sp.browser("type", element_id=inputs[0] if inputs else MISSING_ELEMENT_ID, text=text)
+
+    return step
+
+
+def _click_search(view: sp.PolicyView) -> str:
+    ids = [eid for eid, tag, name in elements(view.last_observation) if tag == "button" and name == _SEARCH]
+    return sp.browser("click", element_id=ids[0] if ids else MISSING_ELEMENT_ID)
+
+
+def _finish_with_price(view: sp.PolicyView) -> str:
+    return sp.browser("finish", answer=read_price(view.last_observation) or DONE_ANSWER)
+
+
+def script_for(record: Mapping[str, Any], chooser: Chooser | None = None, *, wrong_answer: bool = False) -> sp.Script:
+    """The scripted policy's play for one task record: the shortest solution when ``chooser`` always picks the
+    named element; ``wrong_answer`` finishes a ``price`` task with a price that is not the item's."""
+    chooser = chooser if chooser is not None else Chooser()
+    kind, item = record["kind"], next(entry for entry in items() if entry.name == record["item"])
+    finish: sp.Step = sp.finish(DONE_ANSWER)
+    if kind == "open":
+        plan = [_click_named(item.name, chooser)]
+    elif kind in ("browse", "price"):
+        plan = [_click_named(item.section, chooser), _click_named(item.name, chooser)]
+        if kind == "price":
+            finish = sp.finish(str(item.price % 9 + 1)) if wrong_answer else _finish_with_price
+    elif kind == "search":
+        others = sorted(entry.slug for entry in items() if entry.name not in HELD_BACK_ITEMS and entry != item)
+        plan = [_type_query(item.slug, chooser, others), _click_search]
+    else:
+        raise ValueError(f"unknown task kind {kind!r}")
+    return sp.steps(sp.observe(), *plan, finish)
+
+
+def _jsonl(records: Sequence[Mapping[str, Any]]) -> str:
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
+def rendered_files() -> dict[Path, str]:
+    """Every file this module renders, by path: the shop's pages and the two task files."""
+    files = {SHOP_DIR / name: text for name, text in render_pages().items()}
+    files[TRAIN_FILE] = _jsonl(task_records("train"))
+    files[HELD_BACK_FILE] = _jsonl(task_records("heldback"))
+    return files
+
+
+def stale_files() -> list[Path]:
+    """Committed files that differ from what the catalogue renders (or are missing), and stray shop pages."""
+    files = rendered_files()
+    stale = [path for path, text in files.items() if not path.is_file() or path.read_text(encoding="utf-8") != text]
+    strays = sorted(set(SHOP_DIR.glob("*.html")) - set(files)) if SHOP_DIR.is_dir() else []
+    return stale + strays
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gym_browser.testing.shop_tasks",
+        description="The Corner Shop test site and its task suite: check or regenerate the committed files.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"""\
+examples:
+  python -m nemo_gym_browser.testing.shop_tasks --check      # are site and task files current?
+  python -m nemo_gym_browser.testing.shop_tasks --write      # regenerate them from the catalogue
+  python -m nemo_gym_browser.testing.shop_tasks --serve      # serve the site on {SHOP_ORIGIN} until Ctrl-C
+
+  # the task files are WebVoyager task lists; prepare them like any other (every task of a file goes to its
+  # train.jsonl with --val-fraction 0: use the held-back file's rows as verl's validation set)
+  python prepare_webvoyager_data.py --input examples/shop_tasks_train.jsonl --val-fraction 0 --output-dir data/shop
+  python prepare_webvoyager_data.py --input examples/shop_tasks_heldback.jsonl --val-fraction 0 \\
+      --output-dir data/shop-heldback
+
+exit status: 0 ok, 1 --check found stale files, 2 usage error.""",
+    )
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--check", action="store_true", help="exit 1 if a committed file is not what is rendered")
+    action.add_argument("--write", action="store_true", help="write the site pages and the task files")
+    action.add_argument("--serve", action="store_true", help=f"serve testing/site on {SHOP_ORIGIN} until Ctrl-C")
+    parser.add_argument("--port", type=int, default=SHOP_PORT, help=f"--serve: port (default {SHOP_PORT})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.check:
+        stale = stale_files()
+        for path in stale:
+            print(f"stale: {path}")
+        print("up to date" if not stale else f"{len(stale)} stale file(s); run with --write")
+        return 1 if stale else 0
+    if args.write:
+        SHOP_DIR.mkdir(parents=True, exist_ok=True)
+        for path in sorted(set(SHOP_DIR.glob("*.html")) - set(rendered_files())):
+            path.unlink()
+        for path, text in rendered_files().items():
+            path.write_text(text, encoding="utf-8")
+        print(f"wrote {len(render_pages())} pages to {SHOP_DIR} and the task files {TRAIN_FILE}, {HELD_BACK_FILE}")
+        return 0
+    with serve(args.port) as site:
+        print(f"serving {SITE_DIR} at {site.url}/{SHOP_FOLDER}/index.html; Ctrl-C stops", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""The Corner Shop task suite: its files, its preparation like any WebVoyager list, and every task solved (and
+failed) by the scripted policy through the recipe's real agent loop against the fake environment server.
+
+The fake's shop is compared with Chromium's rendering of the real pages in ``test_shop_tasks_integration.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+
+import pytest
+
+from nemo_gym_browser import prepare_webvoyager_data as prep
+from nemo_gym_browser.browser_agent_loop import close_shared_clients
+from nemo_gym_browser.dataset import BrowserJSONLDataset
+from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.testing import scripted_policy as sp
+from nemo_gym_browser.testing import shop_tasks as st
+from nemo_gym_browser.testing.agent_loop_harness import build_loop
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+
+FAST_ENV = {"call_timeout_s": 5.0, "seed_timeout_s": 5.0, "verify_timeout_s": 5.0, "close_timeout_s": 5.0}
+
+
+def prepare(task_file, output_dir) -> list[dict]:
+    """The rows ``prepare_webvoyager_data.py`` writes for a task file (all of them to train.jsonl)."""
+    assert prep.main(["--input", str(task_file), "--val-fraction", "0", "--output-dir", str(output_dir)]) == 0
+    lines = (output_dir / prep.TRAIN_FILE).read_text(encoding="utf-8").splitlines()
+    assert (output_dir / prep.VAL_FILE).read_text(encoding="utf-8") == ""
+    return [json.loads(line) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> dict[str, object]:
+    """Both task files prepared and loaded by the recipe's dataset, as a training run reads them."""
+    root = tmp_path_factory.mktemp("shop")
+    rows = {
+        split: prepare(path, root / split)
+        for split, path in (("train", st.TRAIN_FILE), ("heldback", st.HELD_BACK_FILE))
+    }
+    datasets = {split: BrowserJSONLDataset(str(root / split / prep.TRAIN_FILE)) for split in rows}
+    return {"rows": rows, "datasets": datasets}
+
+
+def test_the_committed_pages_and_task_files_are_what_the_catalogue_renders():
+    assert st.stale_files() == []
+    assert st.main(["--check"]) == 0
+
+
+def test_the_task_files_prepare_into_rows_that_start_on_the_shop_and_use_every_verifier_key(prepared, capsys):
+    rows = prepared["rows"]
+    assert (len(rows["train"]), len(rows["heldback"])) == (72, 24)
+    for row in rows["train"] + rows["heldback"]:
+        assert row["initial_url"].startswith(f"{st.SHOP_ORIGIN}/{st.SHOP_FOLDER}/")
+        assert len(row["verifier_metadata"]) == 1 and set(row["verifier_metadata"]) <= set(VERIFIER_KEYS)
+        assert row["question"] in row["responses_create_params"]["input"][-1]["content"]
+        assert row["task_metadata"]["kind"] in st.KINDS
+    used = {key for row in rows["train"] + rows["heldback"] for key in row["verifier_metadata"]}
+    assert used == set(VERIFIER_KEYS)
+    assert [len(dataset) for dataset in prepared["datasets"].values()] == [72, 24]
+
+
+def test_held_back_tasks_target_other_items_of_the_same_kinds_and_answer_with_prices_training_has_seen():
+    train, held = st.task_records("train"), st.task_records("heldback")
+    assert {r["item"] for r in train}.isdisjoint({r["item"] for r in held})
+    assert collections.Counter(r["kind"] for r in held) == dict.fromkeys(st.KINDS, 6)
+    assert collections.Counter(r["kind"] for r in train) == dict.fromkeys(st.KINDS, 18)
+    train_prices = {r["verifier_metadata"]["answer_equals"] for r in train if r["kind"] == "price"}
+    assert {r["verifier_metadata"]["answer_equals"] for r in held if r["kind"] == "price"} <= train_prices
+    positions = {
+        section: [name for name, _ in entries].index(held_item)
+        for section, entries in st.CATEGORIES.items()
+        for held_item in st.HELD_BACK_ITEMS
+        if held_item in dict(entries)
+    }
+    assert len(positions) == len(st.CATEGORIES) and len(set(positions.values())) > 1
+
+
+@pytest.mark.parametrize("kind", st.KINDS)
+async def test_every_task_is_solved_by_the_scripted_policy_through_the_loop_and_a_wrong_play_scores_zero(
+    prepared, kind, tokenizer, tools, trainer_config
+):
+    records = {record["id"]: record for record in st.task_records()}
+    samples = [
+        dataset[i]
+        for dataset in prepared["datasets"].values()
+        for i in range(len(dataset))
+        if records[dataset[i]["extra_info"]["task_id"]]["kind"] == kind
+    ]
+    assert len(samples) == 24
+    rewards: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        async with FakeEnvironmentServer(site=st.fake_site()) as server:
+            for sample in samples:
+                record = records[sample["extra_info"]["task_id"]]
+                for wrong in (False, True):
+                    chooser = st.Chooser.always_wrong() if wrong else st.Chooser()
+                    loop = build_loop(
+                        sp.ScriptedPolicy(tokenizer, st.script_for(record, chooser, wrong_answer=wrong)),
+                        tokenizer=tokenizer,
+                        tools=tools,
+                        trainer_config=trainer_config,
+                        environment={"server_urls": [server.url], **FAST_ENV},
+                    )
+                    output = await loop.run({}, **sample)
+                    assert output.extra_fields["env_invalid"] is False, output.extra_fields
+                    assert output.extra_fields["reward_source"] == "verify"
+                    if not wrong:
+                        assert "error" not in tokenizer.decode(output.response_ids).lower(), record["id"]
+                    rewards[wrong].append(output.reward_score)
+            assert server.open_sessions == 0
+    finally:
+        await close_shared_clients()
+    assert rewards == {False: [1.0] * 24, True: [0.0] * 24}
+
+
+async def test_the_fake_search_page_finds_an_item_by_its_name_in_any_case_and_reports_other_queries():
+    async def search(client, text: str) -> str:
+        home = st.page_url("index.html")
+        async with client.session(rollout_id="s", attempt=0, task_id=text or "empty", initial_url=home) as session:
+            listed = st.elements((await session.observe()).observation)
+            box = next(eid for eid, tag, _ in listed if tag == "input")
+            submit = next(eid for eid, tag, name in listed if tag == "button" and name == "Search")
+            assert (await session.type(box, text)).error is None
+            return (await session.click(submit)).observation
+
+    async with FakeEnvironmentServer(site=st.fake_site()) as server:
+        async with EnvironmentClient(EnvironmentConfig(server_urls=(server.url,), **FAST_ENV)) as client:
+            found = await search(client, "MaNgO")
+            missing = await search(client, "a kite & a yoyo")
+            empty = await search(client, "")
+    assert found.startswith(f"URL: {st.page_url('search.html')}?q=MaNgO\nTITLE: Search\n")
+    assert st.elements(found) == [(0, "a", "Mango"), (1, "a", "Home")]
+    assert "Results for: MaNgO Mango Home" in found
+    assert f"{st.page_url('search.html')}?q=a+kite+%26+a+yoyo" in missing
+    assert "Results for: a kite & a yoyo No items found. Home" in missing
+    assert "No query." in empty and st.elements(empty) == [(0, "a", "Home")]
+
+
+def test_a_shuffled_shop_lists_the_same_links_in_a_seeded_other_order():
+    plain, shuffled, again = st.fake_site(), st.fake_site(order_seed=3), st.fake_site(order_seed=3)
+    for file in ("index.html", "fruit.html", "garden.html"):
+        url = st.page_url(file)
+        names = [element.name for element in plain.page(url).elements]
+        assert sorted(element.name for element in shuffled.page(url).elements) == sorted(names)
+        assert shuffled.page(url) == again.page(url)
+    orders = {
+        tuple(e.name for e in st.fake_site(order_seed=seed).page(st.page_url("index.html")).elements)
+        for seed in range(5)
+    }
+    assert len(orders) > 1
+
+
+def test_a_chooser_picks_the_named_element_with_its_probability_and_otherwise_uniformly():
+    chooser = st.Chooser(0.4, random.Random(7))
+    picks = collections.Counter(chooser.pick("Mango", ["Apple", "Banana", "Cherry", "Mango"]) for _ in range(4000))
+    assert picks["Mango"] / 4000 == pytest.approx(0.4 + 0.6 / 4, abs=0.03)
+    assert all(picks[name] / 4000 == pytest.approx(0.6 / 4, abs=0.03) for name in ("Apple", "Banana", "Cherry"))
+    assert st.Chooser.always_wrong().pick("Apple", ["Apple", "Banana"]) == "Banana"
+    with pytest.raises(ValueError, match="correct must be in"):
+        st.Chooser(1.5)
+
+
+def test_the_command_line_explains_itself_and_refuses_no_action(capsys):
+    with pytest.raises(SystemExit) as raised:
+        st.main(["--help"])
+    assert raised.value.code == 0
+    assert "prepare_webvoyager_data.py --input examples/shop_tasks_train.jsonl" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as raised:
+        st.main([])
+    assert raised.value.code == 2

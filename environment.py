@@ -10,14 +10,16 @@ What this module owns
       an :class:`EnvironmentFailure` (the infrastructure failed; it carries a :class:`FailureKind`) or a
       :class:`ToolResult` whose ``error`` the policy reads (it made a mistake: bad arguments, an element id
       that is not on the page, a URL of its own choosing that did not load).
-    * Spreading sessions over several servers: least outstanding sessions first, a per-server cap, a server
-      that stopped answering taken out of rotation and probed back in after a cool-down.
+    * Spreading sessions over several servers through :mod:`placement`: least outstanding sessions first, a
+      per-server cap that holds across every process of a run (under Ray), a server that stopped answering taken
+      out of rotation and probed back in after a cool-down; closing the browsers of sessions whose process died.
 
 Lifetimes it guarantees
-    ``async with client.session(...) as session`` seeds on entry and closes on exit, whatever ended the
-    block (success, failure, timeout, cancellation). ``close()`` sends the typed close even when the seed
-    failed: a seed the client gave up on may still open a browser on the server, and the typed close of
-    its id both releases it and stops a late seed from creating it. ``close()`` never raises.
+    ``async with client.session(...) as session`` holds a slot on its server (a placement lease), seeds on
+    entry, closes on exit and gives the slot back, whatever ended the block (success, failure, timeout,
+    cancellation). ``close()`` sends the typed close even when the seed failed: a seed the client gave up on
+    may still open a browser on the server, and the typed close of its id both releases it and stops a late
+    seed from creating it. ``close()`` never raises.
 
 Retries
     Only idempotent calls are retried, only on transport errors that happened before an answer arrived
@@ -36,7 +38,6 @@ Retries
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import itertools
 import json
@@ -50,6 +51,8 @@ from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ _OBSERVE_FAILED_PREFIX = "observe failed:"
 _VERIFY_SESSION_NOT_FOUND = "session not found"
 # Longest pause between two tries of a close answered 5xx (they go on for close_timeout_s in all).
 _CLOSE_BACKOFF_CAP_S = 2.0
+PLACEMENT_MODES = ("auto", "process", "ray")
 
 
 class FailureKind(str, enum.Enum):
@@ -133,9 +137,13 @@ class EnvironmentConfig:
     retry_backoff_s: float = 0.25
     # Below uvicorn's 30 s keep-alive, so the client never reuses a connection the server is closing.
     keepalive_timeout_s: float = 10.0
-    max_sessions_per_server: int = 64
+    max_sessions_per_server: int = 64  # per server, counted across every process of the run (see placement)
     server_cooldown_s: float = 10.0  # how long a server that stopped answering stays out of rotation
     taskset: str = "nemo_gym_browser"
+    # Who counts sessions per server: "ray" one authority for the whole run, "process" this process only, "auto"
+    # Ray whenever this process is connected to it (verl's workers are; smoke_environment.py and tests are not).
+    placement: str = "auto"
+    lease_ttl_s: float = 60.0  # a process silent this long is taken for dead: its browsers are closed for it
 
     def __post_init__(self) -> None:
         urls = (self.server_urls,) if isinstance(self.server_urls, str) else tuple(self.server_urls)
@@ -147,6 +155,10 @@ class EnvironmentConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_sessions_per_server < 1:
             raise ValueError("max_sessions_per_server must be at least 1")
+        if self.placement not in PLACEMENT_MODES:
+            raise ValueError(f"placement must be one of {PLACEMENT_MODES}, got {self.placement!r}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be positive, got {self.lease_ttl_s}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> EnvironmentConfig:
@@ -254,29 +266,26 @@ def _brief(text: str, limit: int = 300) -> str:
 
 
 class _Server:
-    """Bookkeeping of one environment server: sessions in flight and whether it is in rotation."""
+    """One environment server as this process sees it: its URL and this process's sessions on it."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.outstanding = 0
-        self.down_until = 0.0
-
-    def available(self, now: float) -> bool:
-        return now >= self.down_until
+        self.reported_down_until = 0.0  # to log each outage once per process; rotation itself is placement's
 
 
 class EnvironmentClient:
     """Opens browser sessions on one or more environment servers. One per process; share it across rollouts.
 
-    Use as ``async with EnvironmentClient(config) as client`` or call :meth:`close`. The connection pool is
-    created lazily inside the running event loop.
+    Use as ``async with EnvironmentClient(config) as client`` or call :meth:`close`. The connection pool and the
+    placement host are created lazily inside the running event loop.
     """
 
     def __init__(self, config: EnvironmentConfig) -> None:
         self.config = config
-        self._servers = [_Server(url) for url in config.server_urls]
+        self._servers = {url: _Server(url) for url in config.server_urls}
         self._connector: aiohttp.TCPConnector | None = None
-        self._capacity: asyncio.Condition | None = None
+        self._placement: Placement | None = None
         self._counter = itertools.count()
 
     async def __aenter__(self) -> EnvironmentClient:
@@ -286,14 +295,17 @@ class EnvironmentClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._placement is not None:
+            placement, self._placement = self._placement, None
+            await placement.close()
         if self._connector is not None:
             connector, self._connector = self._connector, None
             await connector.close()
 
     @property
     def outstanding(self) -> dict[str, int]:
-        """Sessions in flight per server URL (for metrics and tests)."""
-        return {s.url: s.outstanding for s in self._servers}
+        """This process's sessions in flight per server URL (for metrics and tests)."""
+        return {url: server.outstanding for url, server in self._servers.items()}
 
     def _pool(self) -> aiohttp.TCPConnector:
         if self._connector is None or self._connector.closed:
@@ -302,39 +314,62 @@ class EnvironmentClient:
             )
         return self._connector
 
-    async def _acquire_server(self) -> _Server:
-        """The server for a new session: the healthy one with the fewest sessions in flight, waiting for a free slot.
+    def _placement_host(self) -> Placement:
+        if self._placement is None:
+            self._placement = make_placement(
+                self.config.placement,
+                self.config.server_urls,
+                lease_ttl_s=self.config.lease_ttl_s,
+                reap=self._close_orphan,
+            )
+        return self._placement
+
+    async def _acquire_server(self, ticket: SessionTicket) -> tuple[_Server, Grant]:
+        """A slot for a new session: the healthy server with the fewest sessions in flight, waiting for a free one.
 
         Servers out of rotation get a session only when no server is healthy (which probes them back in).
         """
-        if self._capacity is None:
-            self._capacity = asyncio.Condition()
-        async with self._capacity:
-            while True:
-                now = time.monotonic()
-                healthy = [s for s in self._servers if s.available(now)]
-                pool = [s for s in (healthy or self._servers) if s.outstanding < self.config.max_sessions_per_server]
-                if pool:
-                    server = min(pool, key=lambda s: (s.outstanding, s.down_until))
-                    server.outstanding += 1
-                    return server
-                # Wake on a released slot, or when a server's cool-down ends.
-                cooling = [s.down_until - now for s in self._servers if not s.available(now)]
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._capacity.wait(), min(cooling) if cooling else None)
+        try:
+            grant = await self._placement_host().acquire(
+                self.config.server_urls, self.config.max_sessions_per_server, ticket
+            )
+        except PlacementUnavailable as exc:
+            raise EnvironmentFailure(
+                FailureKind.SEED_FAILED, f"session {ticket.session_id}: no server could be assigned: {exc}"
+            ) from exc
+        server = self._servers[grant.server]
+        server.outstanding += 1
+        return server, grant
 
-    async def _release_server(self, server: _Server) -> None:
-        assert self._capacity is not None
-        async with self._capacity:
-            server.outstanding -= 1
-            self._capacity.notify()
+    def _release_server(self, server: _Server, grant: Grant) -> None:
+        server.outstanding -= 1
+        self._placement_host().release(grant)
 
     def _mark_down(self, server: _Server, reason: str) -> None:
-        if server.available(time.monotonic()):
+        now = time.monotonic()
+        if now >= server.reported_down_until:
             logger.warning(
                 "environment server %s out of rotation for %.0fs: %s", server.url, self.config.server_cooldown_s, reason
             )
-        server.down_until = time.monotonic() + self.config.server_cooldown_s
+        server.reported_down_until = now + self.config.server_cooldown_s
+        self._placement_host().mark_down(server.url, self.config.server_cooldown_s)
+
+    async def _close_orphan(self, orphan: Orphan) -> None:
+        """Close the browser of a session whose process died (handed to this process by the placement authority)."""
+        server = self._servers.get(orphan.server) or _Server(orphan.server)
+        session = BrowserSession(
+            self,
+            server,
+            session_id=orphan.ticket.session_id,
+            rollout_id=orphan.ticket.rollout_id,
+            attempt=orphan.ticket.attempt,
+            task_id="orphan",
+            taskset=self.config.taskset,
+            initial_url=None,
+            verifier_metadata=None,
+        )
+        logger.warning("session %s on %s: its process died; closing its browser", session.session_id, server.url)
+        await session.close()
 
     @asynccontextmanager
     async def session(
@@ -348,27 +383,32 @@ class EnvironmentClient:
         taskset: str | None = None,
     ) -> AsyncIterator[BrowserSession]:
         """Seed a browser session, yield it, and close it whatever happens."""
-        server = await self._acquire_server()
+        metadata = validate_verifier_metadata(verifier_metadata)  # before a slot is taken: a bad row holds none
+        session_id = f"{rollout_id}.{attempt}.{next(self._counter)}"
+        server, grant = await self._acquire_server(
+            SessionTicket(session_id=session_id, rollout_id=rollout_id, attempt=attempt)
+        )
         session = BrowserSession(
             self,
             server,
-            session_id=f"{rollout_id}.{attempt}.{next(self._counter)}",
+            session_id=session_id,
             rollout_id=rollout_id,
             attempt=attempt,
             task_id=task_id,
             taskset=taskset or self.config.taskset,
             initial_url=initial_url,
-            verifier_metadata=validate_verifier_metadata(verifier_metadata),
+            verifier_metadata=metadata,
         )
         try:
             await session.seed()
-            server.down_until = 0.0  # it answered: back in rotation, if it was out
+            self._placement_host().mark_up(grant)  # it answered: back in rotation, if it was out
+            server.reported_down_until = 0.0
             yield session
         finally:
             try:
                 await asyncio.shield(session.close())
             finally:
-                await self._release_server(server)
+                self._release_server(server, grant)
 
 
 class BrowserSession:

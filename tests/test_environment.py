@@ -318,11 +318,12 @@ async def test_a_url_the_policy_chose_that_fails_to_load_comes_back_as_an_error(
     assert still_there.error is None
 
 
-async def test_an_unknown_verifier_key_is_refused_before_any_request(server, client):
+async def test_an_unknown_verifier_key_is_refused_before_any_request_and_holds_no_slot(server, client):
     with pytest.raises(ValueError, match="unknown verifier_metadata keys"):
         async with open_session(client, verifier={"url_equals": "x"}):
             pass
     assert server.calls() == 0
+    assert client.outstanding == {server.url: 0}
 
 
 def test_verifier_metadata_validation_accepts_the_four_keys_and_treats_empty_as_none():
@@ -479,6 +480,33 @@ async def test_a_full_healthy_server_is_waited_for_rather_than_a_server_out_of_r
     assert order == [("r1", b.url), ("r2", b.url)]
 
 
+async def test_a_released_slot_goes_to_the_first_waiter_and_a_cancelled_waiter_takes_none(server):
+    async with EnvironmentClient(config(server.url, max_sessions_per_server=1)) as env:
+        order = []
+        holding, release = asyncio.Event(), asyncio.Event()
+
+        async def first():
+            async with open_session(env, "r1"):
+                holding.set()
+                await release.wait()
+
+        async def waiter(name: str):
+            async with open_session(env, name):
+                order.append(name)
+
+        tasks = [asyncio.create_task(first())]
+        await holding.wait()
+        for name in ("r2", "r3", "r4"):
+            tasks.append(asyncio.create_task(waiter(name)))
+            await asyncio.sleep(0.01)
+        tasks[2].cancel()  # r3 gives up while it waits
+        release.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert order == ["r2", "r4"]
+        assert env.outstanding == {server.url: 0}
+    assert server.open_sessions == 0
+
+
 def test_config_rejects_unknown_keys_and_splits_comma_separated_urls():
     built = EnvironmentConfig.from_mapping({"server_urls": "http://127.0.0.1:1/, http://127.0.0.1:2"})
     assert built.server_urls == ("http://127.0.0.1:1", "http://127.0.0.1:2")
@@ -486,3 +514,5 @@ def test_config_rejects_unknown_keys_and_splits_comma_separated_urls():
         EnvironmentConfig.from_mapping({"server_urls": "http://x", "call_timeout": 3})
     with pytest.raises(ValueError, match="at least one"):
         EnvironmentConfig(server_urls=())
+    with pytest.raises(ValueError, match="placement must be one of"):
+        EnvironmentConfig(server_urls=("http://x",), placement="cluster")

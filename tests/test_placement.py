@@ -1,0 +1,172 @@
+"""The per-server session cap holds per server across worker processes, not per process.
+
+Two real Ray actors (two worker processes, as verl's ``AgentLoopWorker``s are) open sessions through their own
+``EnvironmentClient`` on one fake environment server in this process; the server itself counts the browsers open at
+once. Leases of a worker that dies are reclaimed and its browsers closed; a cancelled wait leaks no lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+
+START = "site/index.html"
+RAY_TIMEOUT_S = 120
+
+
+class PeakCountingServer(FakeEnvironmentServer):
+    """The fake server, also remembering the most browsers it ever held open at once."""
+
+    peak_open_sessions = 0
+
+    async def _open_session(self, session_id, spec) -> None:
+        await super()._open_session(session_id, spec)
+        self.peak_open_sessions = max(self.peak_open_sessions, self.open_sessions)
+
+
+def session_holder_actor():
+    """A Ray actor class (defined here so that Ray ships it by value) that opens sessions like a rollout worker."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class SessionHolder:
+        def __init__(self, urls: list[str], cap: int, lease_ttl_s: float) -> None:
+            self.config = EnvironmentConfig(
+                server_urls=tuple(urls),
+                max_sessions_per_server=cap,
+                lease_ttl_s=lease_ttl_s,
+                close_timeout_s=2.0,
+                transient_retries=0,
+                server_cooldown_s=60.0,
+            )
+            self.client: EnvironmentClient | None = None
+            self.prefix = f"w{uuid.uuid4().hex[:8]}"
+
+        async def run_sessions(self, count: int, hold_s: float) -> list[float]:
+            """Open ``count`` sessions at once, each held ``hold_s``; returns when each got its browser."""
+            self.client = self.client or EnvironmentClient(self.config)
+            started = time.monotonic()
+
+            async def one(index: int) -> float:
+                async with self.client.session(
+                    rollout_id=f"{self.prefix}-{index}", attempt=1, task_id="t", initial_url=START
+                ):
+                    opened = time.monotonic() - started
+                    await asyncio.sleep(hold_s)
+                return opened
+
+            return list(await asyncio.gather(*(one(index) for index in range(count))))
+
+        async def open_one_by_one(self, count: int) -> list[str]:
+            """Open and close ``count`` sessions in turn: the server each went to, or the failure that ended it."""
+            self.client = self.client or EnvironmentClient(self.config)
+            where = []
+            for index in range(count):
+                try:
+                    async with self.client.session(
+                        rollout_id=f"{self.prefix}-s{index}", attempt=1, task_id="t", initial_url=START
+                    ) as session:
+                        where.append(session.server_url)
+                except EnvironmentFailure as failure:
+                    where.append(failure.kind.value)
+            return where
+
+        async def close(self) -> None:
+            if self.client is not None:
+                await self.client.close()
+
+    return SessionHolder
+
+
+@pytest.fixture
+async def server():
+    async with PeakCountingServer() as fake:
+        yield fake
+
+
+async def test_two_worker_processes_never_hold_more_sessions_on_a_server_than_its_cap(tq, server):
+    holder = session_holder_actor()
+    workers = [holder.remote([server.url], 2, 30.0) for _ in range(2)]
+
+    runs = [worker.run_sessions.remote(4, 0.3) for worker in workers]
+    opened = await asyncio.wait_for(asyncio.gather(*runs), RAY_TIMEOUT_S)
+
+    await asyncio.gather(*(worker.close.remote() for worker in workers))
+    assert server.peak_open_sessions == 2  # 8 sessions, 2 processes, a cap of 2 for the server
+    assert sorted(len(times) for times in opened) == [4, 4]  # every session got its browser, in turn
+    assert server.open_sessions == 0
+
+
+async def test_the_leases_of_a_worker_that_died_come_back_and_its_browsers_are_closed(tq, server):
+    import ray
+
+    holder = session_holder_actor()
+    doomed, survivor = holder.remote([server.url], 2, 1.0), holder.remote([server.url], 2, 1.0)
+    doomed.run_sessions.remote(2, 3600.0)  # takes the whole cap and never gives it back
+    deadline = time.monotonic() + RAY_TIMEOUT_S
+    while server.open_sessions < 2:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    abandoned = server.open_session_ids
+    ray.kill(doomed, no_restart=True)
+
+    opened = await asyncio.wait_for(survivor.run_sessions.remote(2, 0.0), RAY_TIMEOUT_S)
+    await survivor.close.remote()
+
+    assert len(opened) == 2
+    assert [server.events(session)[-1] for session in abandoned] == ["close", "close"]  # closed for the dead worker
+    assert server.peak_open_sessions == 2  # ... before the survivor's browsers were opened
+    assert server.open_sessions == 0  # nothing of the dead worker is left open on the server
+
+
+async def test_a_server_one_worker_found_down_is_out_of_rotation_for_the_other_worker_too(tq):
+    async with FakeEnvironmentServer() as down, FakeEnvironmentServer() as up:
+        holder = session_holder_actor()
+        first, second = (holder.remote([down.url, up.url], 4, 30.0) for _ in range(2))
+        await down.stop()
+
+        assert await asyncio.wait_for(first.open_one_by_one.remote(1), RAY_TIMEOUT_S) == ["unreachable"]
+        await asyncio.sleep(0.5)  # the report that the server is down is sent without waiting for an answer
+        where = await asyncio.wait_for(second.open_one_by_one.remote(2), RAY_TIMEOUT_S)
+
+        assert where == [up.url, up.url]  # not the server the first worker found down, though it has fewer sessions
+        await asyncio.gather(first.close.remote(), second.close.remote())
+    assert up.open_sessions == 0
+
+
+async def test_a_session_cancelled_while_waiting_for_a_slot_leaks_no_lease(tq, server):
+    config = EnvironmentConfig(server_urls=(server.url,), max_sessions_per_server=1, placement="ray")
+    async with EnvironmentClient(config) as client:
+        holding = asyncio.Event()
+        release = asyncio.Event()
+
+        async def first() -> None:
+            async with client.session(rollout_id=f"a{uuid.uuid4().hex[:8]}", attempt=1, task_id="t", initial_url=START):
+                holding.set()
+                await release.wait()
+
+        first_task = asyncio.create_task(first())
+        await holding.wait()
+        waiting = asyncio.create_task(
+            client.session(
+                rollout_id=f"b{uuid.uuid4().hex[:8]}", attempt=1, task_id="t", initial_url=START
+            ).__aenter__()
+        )
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # the server is full: it waits for the slot
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        release.set()
+        await first_task
+
+        async with asyncio.timeout(10):  # the one slot is free again: nothing kept it
+            async with client.session(rollout_id=f"c{uuid.uuid4().hex[:8]}", attempt=1, task_id="t", initial_url=START):
+                assert server.open_sessions == 1
+    assert server.open_sessions == 0

@@ -46,7 +46,7 @@ Prerequisites, once (a virtual environment of its own: .venv holds the CPU torch
   requires fastapi < 0.137. flash-attn is optional: without it the actor uses sdpa without remove-padding.
 
 The model: by default a tiny Qwen2 policy (one head of 64) is built and warm-started on the CPU, once per
-workdir (a minute or two on idle cores). Or --model DIR: a local Hugging Face folder whose chat template speaks
+workdir (about 200 s of CPU time). Or --model DIR: a local Hugging Face folder whose chat template speaks
 hermes tool calls, such as Qwen2.5-0.5B-Instruct (head_dim 64). Nothing is downloaded (HF_HUB_OFFLINE=1).
 
 Time: a few minutes: the policy, vLLM's start-up (eager mode: no compilation) and two steps of 4 tasks x 4

@@ -149,7 +149,7 @@ NNODES="${SLURM_JOB_NUM_NODES:-1}"
 : "${EPISODE_DEADLINE_S:=1800}"
 : "${SESSION_HOLD_LIMIT_S:=3600}"
 : "${MAX_ATTEMPTS:=3}"
-: "${NEMO_GYM_BROWSER_DROP_INVALID:=1}"
+: "${NEMO_GYM_BROWSER_DROP_INVALID:=0}"
 
 # ------------------------------------------------ Judge ---------------------------------------------------------
 : "${JUDGE_ENABLE:=1}"

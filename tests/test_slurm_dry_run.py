@@ -118,7 +118,7 @@ def test_sbatch_dry_run_brings_everything_up_on_loopback_checks_it_and_leaves_no
         "Ray cluster: 1 of 1 node(s) joined",
         # a Ray worker sees the drop switch exported before `ray start`, the recipe and its estimator
         "preflight: ok   ray-workers: 1 node(s)",
-        "NEMO_GYM_BROWSER_DROP_INVALID=1, recipe and grpo_env_aware in place",
+        "NEMO_GYM_BROWSER_DROP_INVALID=0, recipe and grpo_env_aware in place",
         "settings checked inside Ray workers on every node",
         "dry run passed",
         f"cleanup: done; no process of run {run_id} is left on localhost",

@@ -70,7 +70,7 @@ class RunSpec:
     group_size: int = 4  # rollout.n: episodes per task, one GRPO group
     max_prompt_length: int = 1536
     max_response_length: int = 2048
-    max_assistant_turns: int = 4
+    max_assistant_turns: int = 8  # the longest shop task takes 4 (observe, click, click, finish); room to err
     lr: float = 1e-4
     estimator: str = RECIPE_ESTIMATOR
     max_attempts: int = 3
@@ -169,8 +169,12 @@ def hydra_overrides(spec: RunSpec) -> list[str]:
         overrides += [
             f"actor_rollout_ref.rollout.name={spec.rollout_name}",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            # the inference engine sizes its cache for the model's whole context unless told the run's
+            f"actor_rollout_ref.rollout.max_model_len={tokens}",
             "trainer.nnodes=1",
             "trainer.n_gpus_per_node=1",
+            "+ray_kwargs.ray_init._node_ip_address=127.0.0.1",
+            "+ray_kwargs.ray_init.include_dashboard=False",
         ]
     return overrides + list(spec.extra_overrides)
 
@@ -193,6 +197,8 @@ def process_environment(spec: RunSpec, base: Mapping[str, str] | None = None) ->
             "NEMO_GYM_BROWSER_PATCHES": "0" if spec.stock else "1",
             "HYDRA_FULL_ERROR": "1",
             "RAY_USAGE_STATS_ENABLED": "0",  # Ray would otherwise report usage to an outside server
+            "VLLM_NO_USAGE_STATS": "1",  # and so would vLLM
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray keeps a 127.0.0.1 node address
             "RAY_DEDUP_LOGS": "0",
         }
     )
@@ -586,6 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--steps, --prompts-per-step and --group-size must be at least 1")
     if not 0.0 <= args.fault_rate <= 1.0:
         parser.error("--fault-rate must be in [0, 1]")
+    if args.rollout != CPU_ROLLOUT and args.model is None:
+        # the CPU policy's attention heads (16 wide) are narrower than vLLM's FlashInfer and Triton backends take
+        parser.error(f"--rollout {args.rollout} needs --model (scripts/gpu_check.sh builds a policy vLLM can serve)")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)

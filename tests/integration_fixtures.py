@@ -35,6 +35,7 @@ from nemo_gym_browser.testing.local_site import LocalSite
 
 BACKEND_ENV_VAR = "NEMO_GYM_BROWSER_TEST_BACKEND"
 GYM_VENV_ENV_VAR = "NEMO_GYM_BROWSER_GYM_VENV"
+POLICY_DIR_ENV_VAR = "NEMO_GYM_BROWSER_TEST_POLICY_DIR"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -92,10 +93,14 @@ def shop_site() -> Iterator[LocalSite]:
 
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The warm-started tiny policy for the shop tasks, built once per test session (about a minute on 2 cores)."""
+    """The warm-started tiny policy for the shop tasks, built once per test session (about a minute on 2 cores).
+
+    ``NEMO_GYM_BROWSER_TEST_POLICY_DIR`` keeps it across sessions: built there once, reused after.
+    """
     from nemo_gym_browser.testing.training_run import tiny_policy_folder
 
-    return tiny_policy_folder(tmp_path_factory.mktemp("policy"))
+    kept = os.environ.get(POLICY_DIR_ENV_VAR)
+    return tiny_policy_folder(Path(kept) if kept else tmp_path_factory.mktemp("policy"))
 
 
 @pytest.fixture(scope="session")

@@ -139,19 +139,12 @@ policy="${model:-$workdir/vllm-tiny-policy}"
 if [[ "$mode" == summary ]]; then summarize; exit 0; fi
 
 # ---------------------------------------------------------------------------------------------------- the command
-# vLLM's context: prompt + response, the lengths training_run gives the run (the whole episode fits).
-lengths='from nemo_gym_browser.testing.training_run import RunSpec as R
-print(R.max_prompt_length + R.max_response_length)'
-max_model_len="$("$PYTHON" -c "$lengths")" || die "$PYTHON cannot import nemo_gym_browser: pip install -e $ROOT"
+# training_run's GPU path already keeps Ray private and on loopback and sizes vLLM's context to the run.
 overrides=(
     "actor_rollout_ref.rollout.gpu_memory_utilization=$gpu_memory"
-    "actor_rollout_ref.rollout.max_model_len=$max_model_len"
     actor_rollout_ref.rollout.enforce_eager=True     # no torch.compile or CUDA graphs: start-up in seconds
     actor_rollout_ref.rollout.free_cache_engine=True # vLLM sleeps (weights, KV cache freed) while the actor trains
     actor_rollout_ref.rollout.load_format=dummy      # random weights at start-up; the actor's arrive before step 1
-    +ray_kwargs.ray_init.address=local               # a private Ray instance, never a cluster already running here
-    +ray_kwargs.ray_init._node_ip_address=127.0.0.1  # Ray and vLLM's server listen on loopback only
-    +ray_kwargs.ray_init.include_dashboard=False
     ray_kwargs.ray_init.num_cpus=16                  # logical: verl's one-CPU actors fit a small Slurm allocation too
     transfer_queue.backend.SimpleStorage.num_data_storage_units=1 # a few dozen samples per step
 )

@@ -150,6 +150,7 @@ def hydra_overrides(spec: RunSpec) -> list[str]:
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={_hydra_string(CONFIG_DIR / 'agent_loop.yaml')}",
         f"actor_rollout_ref.rollout.agent.num_workers={spec.agent_workers}",
         f"algorithm.adv_estimator={spec.estimator}",
+        "+ray_kwargs.ray_init.address=local",  # a private Ray instance, never a cluster already running here
         f"nemo_gym_browser.environment.server_urls=[{urls}]",
         f"nemo_gym_browser.episode_deadline_s={spec.episode_deadline_s}",
         f"nemo_gym_browser.max_attempts={1 if spec.stock else spec.max_attempts}",

@@ -71,11 +71,13 @@ def test_a_gpu_command_names_the_rollout_and_leaves_the_cpu_backend_out(tmp_path
     run = spec(tmp_path, rollout_name="vllm")
     overrides = tr.hydra_overrides(run)
     assert "actor_rollout_ref.rollout.name=vllm" in overrides
-    assert not any(o.startswith(("trainer.device=", "+ray_kwargs")) for o in overrides)
+    assert not any(o.startswith(("trainer.device=", "+ray_kwargs.ray_init.num_gpus")) for o in overrides)
+    assert "+ray_kwargs.ray_init._node_ip_address=127.0.0.1" in overrides  # Ray on loopback, as on CPU
     env = tr.process_environment(run, base={})
     assert "VERL_PLATFORM" not in env and "VERL_USE_EXTERNAL_MODULES" not in env
     config = composed(run)
     assert config.actor_rollout_ref.rollout.name == "vllm" and config.trainer.n_gpus_per_node == 1
+    assert config.actor_rollout_ref.rollout.max_model_len == run.max_prompt_length + run.max_response_length
 
 
 def test_every_process_of_the_run_logs_metrics_and_advantages_into_the_run_folder(tmp_path: Path) -> None:

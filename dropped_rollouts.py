@@ -66,7 +66,7 @@ class DropLedger:
 
     def _used(self) -> None:
         self._last_used = time.monotonic()
-        if self._watch is None:
+        if self._watch is None and named_actors.in_actor():
             self._watch = named_actors.exit_when_idle(self._idle, check_every_s=600.0)
 
     def _idle(self) -> bool:

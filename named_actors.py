@@ -41,6 +41,15 @@ def ray_connected() -> bool:
     return ray is not None and ray.is_initialized()
 
 
+def in_actor() -> bool:
+    """Whether this code runs inside a Ray actor (the shared-state classes are also used as plain objects)."""
+    if not ray_connected():
+        return False
+    import ray
+
+    return ray.get_runtime_context().get_actor_id() is not None
+
+
 def actor_name(role: str, node_id: str | None = None) -> str:
     import ray
 

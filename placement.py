@@ -270,7 +270,7 @@ class PlacementAuthority:
         now = time.monotonic()
         self._holders[holder] = (now, ttl_s)
         self._last_heard = now
-        if self._watch is None:
+        if self._watch is None and named_actors.in_actor():
             self._watch = named_actors.exit_when_idle(self._idle, check_every_s=min(60.0, self._idle_exit_s / 4))
 
     def _idle(self) -> bool:

@@ -14,10 +14,13 @@ import uuid
 import pytest
 
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure
+from nemo_gym_browser.placement import PlacementAuthority
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 START = "site/index.html"
 RAY_TIMEOUT_S = 120
+SERVER = "http://127.0.0.1:8100"
+TICKET = {"session_id": "r1.1.0", "rollout_id": "r1", "attempt": 1}
 
 
 class PeakCountingServer(FakeEnvironmentServer):
@@ -82,6 +85,68 @@ def session_holder_actor():
                 await self.client.close()
 
     return SessionHolder
+
+
+# ----- the authority's bookkeeping, as a plain object (what its actor runs) -------------------------------------
+
+
+async def test_a_give_back_that_overtakes_its_request_makes_the_authority_refuse_that_request():
+    authority = PlacementAuthority()
+
+    await authority.release("lease-1")  # the client was cancelled before its request was even seen
+    granted = await authority.acquire("w1", 30.0, "lease-1", [SERVER], 1, TICKET, 1.0)
+
+    assert granted is None
+    assert (await authority.snapshot())["leases"] == 0
+    assert await authority.acquire("w1", 30.0, "lease-2", [SERVER], 1, TICKET, 1.0) == (SERVER, False)
+
+
+async def test_a_slot_given_back_goes_to_the_oldest_waiting_request():
+    authority = PlacementAuthority()
+    assert await authority.acquire("w1", 30.0, "first", [SERVER], 1, TICKET, 1.0) == (SERVER, False)
+    second = asyncio.create_task(authority.acquire("w2", 30.0, "second", [SERVER], 1, TICKET, 5.0))
+    await asyncio.sleep(0.01)
+    third = asyncio.create_task(authority.acquire("w3", 30.0, "third", [SERVER], 1, TICKET, 0.2))
+
+    await authority.release("first")
+
+    assert await second == (SERVER, False)
+    assert await third is None  # still full when its wait ran out: it asks again
+    assert (await authority.snapshot())["outstanding"] == {SERVER: 1}
+
+
+async def test_the_leases_of_a_silent_holder_stay_counted_until_a_live_one_closed_their_browsers():
+    authority = PlacementAuthority()
+    await authority.acquire("dead", 0.05, "lease-1", [SERVER], 1, TICKET, 1.0)
+    await asyncio.sleep(0.1)  # longer than its lease ttl, without a heartbeat
+
+    orphans = await authority.heartbeat("alive", 30.0)
+
+    assert orphans == [("lease-1", SERVER, TICKET)]
+    assert await authority.acquire("alive", 30.0, "lease-2", [SERVER], 1, TICKET, 0.05) is None  # still counted
+    assert await authority.heartbeat("alive", 30.0) == []  # handed out once
+    await authority.release("lease-1")  # the live holder closed the browser
+    assert await authority.acquire("alive", 30.0, "lease-3", [SERVER], 1, TICKET, 0.05) == (SERVER, False)
+
+
+async def test_a_server_reported_down_gets_sessions_only_when_no_other_is_in_rotation():
+    authority = PlacementAuthority()
+    other = "http://127.0.0.1:8101"
+    await authority.mark_down(SERVER, 30.0)
+
+    first = await authority.acquire("w1", 30.0, "a", [SERVER, other], 1, TICKET, 0.05)
+    full = await authority.acquire("w1", 30.0, "b", [SERVER, other], 1, TICKET, 0.05)
+    await authority.mark_down(other, 30.0)
+    probe = await authority.acquire("w1", 30.0, "c", [SERVER, other], 1, TICKET, 0.05)
+
+    assert first == (other, False)
+    assert full is None  # the server in rotation is full: wait for it rather than use the one out of rotation
+    assert probe == (SERVER, True)  # none in rotation: probe it
+    await authority.mark_up(SERVER)
+    assert await authority.acquire("w1", 30.0, "d", [SERVER, other], 2, TICKET, 0.05) == (SERVER, False)
+
+
+# ----- two worker processes on one server ----------------------------------------------------------------------
 
 
 @pytest.fixture

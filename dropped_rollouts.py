@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 LEDGER_ROLE = "nemo_gym_browser.dropped_rollouts"
 _CALL_TIMEOUT_S = 30.0
-# An empty ledger nobody wrote to or read for this long belongs to a run that ended: it exits.
+# A ledger nobody wrote to or read for this long belongs to a run that ended: it exits.
 _IDLE_EXIT_S = 24 * 3600.0
 
 
@@ -70,7 +70,8 @@ class DropLedger:
             self._watch = named_actors.exit_when_idle(self._idle, check_every_s=600.0)
 
     def _idle(self) -> bool:
-        return not self._records.by_uid and time.monotonic() - self._last_used > self._idle_exit_s
+        # The trainer reads it every step: a day without a read or a write means the run is over.
+        return time.monotonic() - self._last_used > self._idle_exit_s
 
     async def add(self, uid: str | None, flags: dict[str, Any]) -> None:
         self._used()

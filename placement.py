@@ -24,7 +24,8 @@ Leases (:class:`RayPlacement`)
         its leases become orphans. An orphan still counts against its server until a live process has closed its
         browser (the typed close, by session id) and given it back: the server never closes a browser by itself,
         so releasing the slot without the close would let the server hold more browsers than its cap;
-      * the authority ends itself once it holds no lease and has heard from no process for ``idle_exit_s``.
+      * the authority ends itself once it has heard from no process for ``idle_exit_s`` (every live process
+        heartbeats, so the run is over).
     A process whose event loop stalls for longer than ``lease_ttl_s`` is taken for dead: its browsers are closed
     and its episodes see ``session_lost`` (an infrastructure failure, resampled), never a wrong score.
 
@@ -274,8 +275,8 @@ class PlacementAuthority:
             self._watch = named_actors.exit_when_idle(self._idle, check_every_s=min(60.0, self._idle_exit_s / 4))
 
     def _idle(self) -> bool:
-        quiet = time.monotonic() - self._last_heard > self._idle_exit_s
-        return quiet and not self._leases and not self._waiting
+        # Every live process heartbeats every lease_ttl_s / 4, so silence this long means the run is over.
+        return time.monotonic() - self._last_heard > self._idle_exit_s
 
     async def acquire(
         self, holder: str, ttl_s: float, lease_id: str, servers: list[str], cap: int, ticket: dict, wait_s: float

@@ -152,7 +152,7 @@ def _read_proc(pid: int) -> _Proc | None:
     return _Proc(pid=pid, ppid=int(fields[1]), start_ticks=int(fields[19]))
 
 
-def _all_procs() -> list[_Proc]:
+def all_processes() -> list[_Proc]:
     procs = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (proc := _read_proc(int(entry))) is not None:
@@ -174,7 +174,7 @@ def _executable_name(pid: int) -> str:
         return ""
 
 
-def _descendants(root_pids: set[int], procs: list[_Proc]) -> list[_Proc]:
+def descendants(root_pids: set[int], procs: list[_Proc]) -> list[_Proc]:
     children: dict[int, list[_Proc]] = {}
     for proc in procs:
         children.setdefault(proc.ppid, []).append(proc)
@@ -593,9 +593,9 @@ class LocalEnvironment:
         _LIVE.discard(self)
 
     def _owned_processes(self) -> list[_Proc]:
-        procs = _all_procs()
+        procs = all_processes()
         roots = {p.pid for p in (self._server, self._chromium) if p is not None}
-        owned = {p.pid: p for p in _descendants(roots, procs)}
+        owned = {p.pid: p for p in descendants(roots, procs)}
         if self.workdir is not None:
             marker = str(self.workdir)
             me = os.getpid()
@@ -613,7 +613,7 @@ class LocalEnvironment:
         if not self.running:
             raise RuntimeError("the environment is not running")
         assert self._server is not None
-        server_tree = _descendants({self._server.pid}, _all_procs())
+        server_tree = descendants({self._server.pid}, all_processes())
         commands = [_cmdline(p.pid) for p in server_tree]
         drivers = sum(1 for c in commands if "playwright" in c and "run-driver" in c)
         # A browser's main process runs the Chromium binary without a --type= (renderer, gpu, zygote, ...) switch.

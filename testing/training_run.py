@@ -225,6 +225,7 @@ def main_ppo_command(spec: RunSpec, python: str = sys.executable) -> list[str]:
 class RunResult:
     returncode: int
     elapsed_s: float
+    peak_memory_bytes: int  # the most the run's process tree held at once (PSS: shared pages counted once)
     steps: dict[int, dict[str, Any]]  # training step -> the metrics verl logged for it
     advantages: dict[int, list[dict[str, Any]]]  # training step -> every sample's flag, score and advantage
     log_path: Path
@@ -293,6 +294,7 @@ def run_main_ppo(
         assert process.stdout is not None
         reader = threading.Thread(target=_copy_lines, args=(process.stdout, log, on_line), daemon=True)
         reader.start()
+        memory = _MemorySampler(process.pid)
         try:
             returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -303,14 +305,51 @@ def run_main_ppo(
             _stop_group(process)
             raise
         finally:
+            memory.stop()
             reader.join(timeout=10)
     return RunResult(
         returncode,
         time.monotonic() - started,
+        memory.peak_bytes,
         read_step_metrics(spec.metrics_path),
         read_advantages(spec.advantages_path),
         spec.log_path,
     )
+
+
+class _MemorySampler:
+    """Samples the proportional set size of a process and all its descendants (Ray's workers) every second."""
+
+    _INTERVAL_S = 1.0
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ..launch_environment import all_processes, descendants
+
+        while not self._stop.wait(self._INTERVAL_S):
+            pids = [self.root_pid, *(p.pid for p in descendants({self.root_pid}, all_processes()))]
+            self.peak_bytes = max(self.peak_bytes, sum(_pss_bytes(pid) for pid in pids))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _copy_lines(stream: Any, log: Any, on_line: Callable[[str], None] | None) -> None:
@@ -629,7 +668,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"main_ppo: {spec.log_path}\n{summary_header()}", flush=True)
             result = run_main_ppo(spec, timeout_s=args.timeout, on_line=_step_printer(spec))
             left_open = faults.open_session_ids
-    print(f"main_ppo exited {result.returncode} after {result.elapsed_s:.0f} s; sessions left open: {len(left_open)}")
+    print(
+        f"main_ppo exited {result.returncode} after {result.elapsed_s:.0f} s, peak memory "
+        f"{result.peak_memory_bytes / 2**30:.1f} GiB (PSS of its process tree); sessions left open: {len(left_open)}"
+    )
     if not result.ok:
         print(result.log_tail(40), file=sys.stderr)
         return 1

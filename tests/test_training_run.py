@@ -169,6 +169,7 @@ def test_a_run_past_its_timeout_is_stopped_with_its_whole_process_group(tmp_path
     lines: list[str] = []
     result = tr.run_main_ppo(run, timeout_s=5, on_line=lines.append)
     assert not result.ok and lines == ["started"]
+    assert result.peak_memory_bytes > 2 * 2**20  # two Python interpreters were sampled while they ran
     child = int(marker.read_text())
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
     assert "started" in run.log_path.read_text()

@@ -316,7 +316,7 @@ class PlacementAuthority:
         self._released_early[lease_id] = time.monotonic()
 
     def _settle_unclaimed(self, future: asyncio.Future[str]) -> None:
-        if future.done():
+        if future.done() and not future.cancelled():
             self._book.give_back(future.result())
         else:
             future.cancel()

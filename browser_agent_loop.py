@@ -92,7 +92,7 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from verl.utils.ray_utils import get_event_loop
 
-from . import dropped_rollouts
+from . import dropped_rollouts, trajectories
 from .environment import (
     BrowserSession,
     EnvironmentClient,
@@ -165,6 +165,7 @@ class BrowserLoopSettings:
     judge: JudgeConfig | None = None  # scores tasks without verifier_metadata
     lenient_tool_call_parsing: bool = True  # a malformed <tool_call> becomes an error message, not a silent stop
     max_tool_response_length: int | None = None  # overrides multi_turn.max_tool_response_length when set
+    trajectory_dir: str | None = None  # one JSONL record per rollout under this folder (trajectories.py); None: off
     call_timeout_grace_s: float = 5.0  # safety net above the environment's own per-call timeout
 
     def __post_init__(self) -> None:
@@ -444,7 +445,7 @@ class BrowserEpisode:
         self.finished = False
         self.final_answer: str | None = None
         self.last_observation: str | None = None
-        self.steps: list[str] = []
+        self.steps: list[str] = trajectories.StepLines()  # also notes when each step ended, for trajectories
         self.tool_calls = 0
         self.policy_errors = 0
         self.refused_navigations = 0
@@ -831,6 +832,7 @@ class _AttemptOutcome:
     reward_source: str | None = None
     deadline_hit: bool = False
     refused_navigations: int = 0
+    episode: BrowserEpisode | None = None  # the attempt's steps, for trajectories
 
 
 class BrowserToolAgentLoop(ToolAgentLoop):
@@ -958,6 +960,15 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             tool_calls=timings["tool_calls"],
             num_preempted=output.metrics.num_preempted if outcome.output is not None else -1,
         )
+        if self.settings.trajectory_dir:  # written after the flags, so the record shows what the trainer gets
+            trajectories.write_episode(
+                self.settings.trajectory_dir,
+                episode_id=rollout_id,
+                spec=spec,
+                run_kwargs=kwargs,
+                episode=outcome.episode,
+                output=output,  # the (final) sample, which carries the episode's flags and reward
+            )
         return output
 
     async def _run_attempt(
@@ -1012,6 +1023,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         outcome.failure = episode.failure
         outcome.deadline_hit = episode.deadline_hit
         outcome.refused_navigations = episode.refused_navigations
+        outcome.episode = episode
         return outcome
 
     async def _score_with_judge(

@@ -1,0 +1,264 @@
+"""Trajectories a person can read: one JSONL record per episode while training, and a static HTML page over them.
+
+What this module owns
+    * The record of one rollout (:func:`episode_record`), written by ``BrowserToolAgentLoop.run`` when the setting
+      ``trajectory_dir`` is set (null: nothing is written): the task (id, question, start URL), the final attempt's
+      steps (action, arguments, result, when), its final answer and last page, the per-sample flags, the reward,
+      the kinds of the failed attempts before it, and verl's ``uid`` / ``session_id`` / ``global_steps`` when the
+      V1 trainer passed them. The steps are the lines ``BrowserEpisode`` already keeps for the judge (``steps``),
+      split into their parts, never a second recording; :class:`StepLines` notes when each line was added.
+    * Where records go (:func:`write_record`): ``<trajectory_dir>/step-<global_steps>/<host>-<pid>.jsonl``, one file
+      per training step and worker process, one ``os.write`` of one whole line per episode on a file opened with
+      ``O_APPEND``: records of concurrent rollouts never interleave, and no two processes share a file.
+    * The page (``python -m nemo_gym_browser.trajectories DIR --html out.html``): a section per training step, each
+      GRPO group's episodes side by side with their steps, reward, flags, the recipe's advantage (read from the
+      V1 trainer's advantage log, ``NEMO_GYM_BROWSER_ADVANTAGE_LOG``) next to stock GRPO's (computed here from the
+      group's rewards, failures as zeros). Static HTML with inline CSS, nothing fetched.
+
+What a record never holds
+    * Secrets. The judge's key lives in the judge's config and never reaches an episode. URLs (the start URL, the
+      last page, URLs inside steps and failure reasons) may carry credentials: their user-info is removed and the
+      values of query parameters whose name looks like a credential (``token``, ``key``, ``secret``, ``password``,
+      ``auth``, ``session``, ``sig`` ...) are replaced by ``REDACTED``; other parameters (a search query) are kept,
+      because a reader needs them to follow the episode.
+    * Unbounded text: arguments, results, the final answer and the page text are cut to fixed lengths.
+    * Rollouts the drop switch removed (``NEMO_GYM_BROWSER_DROP_INVALID=1``): the loop returns before writing;
+      the run's ledger of dropped rollouts counts them.
+
+The policy's text (answers, typed text, URLs it chose) is untrusted: the page escapes every string it shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+logger = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+STEP_DIR_PREFIX = "step-"
+UNKNOWN_STEP_DIR = "step-none"  # rollouts outside a trainer (rehearsal, tests)
+# Bounds that keep one record a few kilobytes whatever the policy writes.
+ARGUMENT_CHARS = 300
+RESULT_CHARS = 300
+ANSWER_CHARS = 2000
+PAGE_TEXT_CHARS = 600
+REASON_CHARS = 500
+MAX_STEPS = 200  # a record keeps the first steps beyond this many (a turn limit is far below)
+REDACTED = "REDACTED"
+# Query parameter names whose values are treated as credentials.
+_SECRET_PARAMETER = re.compile(
+    r"(token|key|secret|passw|pwd|auth|session|sid|sig|credential|cookie|code|bearer|jwt)", re.IGNORECASE
+)
+_URL = re.compile(r"https?://[^\s'\"<>]+", re.IGNORECASE)
+# A step line of BrowserEpisode: "click(element_id=3) -> ok", "navigate(url='...') -> refused", "x: invalid call (...)".
+_STEP_LINE = re.compile(r"^(?P<action>\w+)\((?P<arguments>.*?)\) -> (?P<result>.*)$", re.DOTALL)
+_INVALID_LINE = re.compile(r"^(?P<action>[\w.-]+): (?P<result>invalid call .*)$", re.DOTALL)
+# verl's GRPO: a group of one has mean 0 and std 1; std is the unbiased one; eps as in verl.
+GRPO_EPS = 1e-6
+
+
+# ----- writing ------------------------------------------------------------------------------------------------
+
+
+class StepLines(list):
+    """``BrowserEpisode.steps``: the step lines, plus the monotonic time each was added (``times``)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.times: list[float] = [time.monotonic()] * len(self)
+
+    def append(self, line: Any) -> None:
+        super().append(line)
+        self.times.append(time.monotonic())
+
+
+def _cut(text: Any, limit: int) -> str | None:
+    if text is None:
+        return None
+    text = str(text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user-info and with credential-like query values replaced (see the module docstring)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[-1] if "@" in parts.netloc else parts.netloc
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(_SECRET_PARAMETER.search(name) for name, _ in pairs):
+            query = urlencode([(name, REDACTED if _SECRET_PARAMETER.search(name) else value) for name, value in pairs])
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str | None) -> str | None:
+    """``text`` with every http(s) URL in it passed through :func:`redact_url`."""
+    if not text:
+        return text
+    return _URL.sub(lambda match: redact_url(match.group(0)), text)
+
+
+def split_step_line(line: str) -> dict[str, Any]:
+    """``{"action", "arguments", "result"}`` of one of ``BrowserEpisode``'s step lines (the whole line as result
+    when its shape is unknown)."""
+    line = str(line)
+    match = _STEP_LINE.match(line) or _INVALID_LINE.match(line)
+    if match is None:
+        return {"action": None, "arguments": None, "result": _cut(redact_text(line), RESULT_CHARS)}
+    parts = match.groupdict()
+    return {
+        "action": parts["action"],
+        "arguments": _cut(redact_text(parts.get("arguments")), ARGUMENT_CHARS),
+        "result": _cut(redact_text(parts["result"]), RESULT_CHARS),
+    }
+
+
+def _steps_of(episode: Any) -> list[dict[str, Any]]:
+    if episode is None:
+        return []
+    lines = list(getattr(episode, "steps", []) or [])[:MAX_STEPS]
+    times = getattr(getattr(episode, "steps", None), "times", None)
+    started = getattr(episode, "started", None)
+    steps = []
+    for index, line in enumerate(lines):
+        step = {"index": index, **split_step_line(line)}
+        if times is not None and started is not None and index < len(times):
+            # When the step's result came back, in seconds since the session was opened (generation included).
+            step["at_s"] = round(times[index] - started, 3)
+        steps.append(step)
+    return steps
+
+
+def _last_page(episode: Any) -> dict[str, Any] | None:
+    observation = getattr(episode, "last_observation", None) if episode is not None else None
+    if not observation:
+        return None
+    from .browser_agent_loop import parse_observation  # the loop's own reading of an observation
+
+    url, title, text = parse_observation(observation)
+    return {
+        "url": _cut(redact_url(url), ARGUMENT_CHARS) if url else None,
+        "title": _cut(title, ARGUMENT_CHARS),
+        "text": _cut(redact_text(text), PAGE_TEXT_CHARS),
+    }
+
+
+def _plain_scalar(value: Any) -> Any:
+    """verl passes numpy scalars and strings; a record holds JSON types only."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+def episode_record(
+    *,
+    episode_id: str,
+    spec: Any,
+    run_kwargs: Mapping[str, Any],
+    episode: Any,
+    output: Any,
+) -> dict[str, Any]:
+    """The JSON-ready record of one finished rollout (``output`` carries the flags in ``extra_fields``)."""
+    extra = dict(getattr(output, "extra_fields", None) or {})
+    metrics = getattr(output, "metrics", None)
+    flags = {
+        "env_invalid": bool(extra.get("env_invalid", False)),
+        "env_failure_kind": extra.get("env_failure_kind"),
+        "env_failure_reason": _cut(redact_text(extra.get("env_failure_reason")), REASON_CHARS),
+        "attempts": extra.get("env_attempts"),
+        "deadline_hit": bool(extra.get("deadline_hit", False)),
+        "reward_source": extra.get("reward_source"),
+    }
+    reward = getattr(output, "reward_score", None)
+    return {
+        "version": RECORD_VERSION,
+        "episode_id": episode_id,
+        "task_id": getattr(spec, "task_id", None),
+        "question": _cut(getattr(spec, "question", None), ANSWER_CHARS),
+        "start_url": redact_url(spec.initial_url) if getattr(spec, "initial_url", None) else None,
+        "global_steps": _plain_scalar(run_kwargs.get("global_steps")),
+        "uid": _plain_scalar(run_kwargs.get("uid")),
+        "session_id": _plain_scalar(run_kwargs.get("session_id")),
+        "index": _plain_scalar(run_kwargs.get("index")),
+        "reward": float(reward) if reward is not None else None,
+        "flags": flags,
+        "failed_attempt_kinds": list(extra.get("env_failed_attempt_kinds") or []),
+        "steps": _steps_of(episode),
+        "final_answer": _cut(getattr(episode, "final_answer", None), ANSWER_CHARS) if episode is not None else None,
+        "last_page": _last_page(episode),
+        "timing": {
+            "episode_wall_s": extra.get("env_episode_wall_s"),
+            "generate_s": round(float(getattr(metrics, "generate_sequences", 0.0) or 0.0), 4),
+            "tool_calls_s": round(float(getattr(metrics, "tool_calls", 0.0) or 0.0), 4),
+            "model_s": round(episode.model_s, 4) if episode is not None else None,
+        },
+        "worker": f"{socket.gethostname()}-{os.getpid()}",
+        "written_at": round(time.time(), 3),
+    }
+
+
+def record_path(trajectory_dir: str | os.PathLike[str], global_steps: Any) -> Path:
+    """``<dir>/step-<global_steps>/<host>-<pid>.jsonl``: one file per training step and process."""
+    step = _plain_scalar(global_steps)
+    folder = f"{STEP_DIR_PREFIX}{int(step):06d}" if isinstance(step, (int, float)) else UNKNOWN_STEP_DIR
+    return Path(trajectory_dir) / folder / f"{socket.gethostname()}-{os.getpid()}.jsonl"
+
+
+_write_failures_logged: set[str] = set()
+
+
+def write_record(trajectory_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> Path | None:
+    """Append ``record`` as one line; a failure to write is logged (once per folder) and never fails the rollout."""
+    path = record_path(trajectory_dir, record.get("global_steps"))
+    line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(descriptor, line)  # one write of one whole line: concurrent rollouts never interleave
+        finally:
+            os.close(descriptor)
+    except OSError as exc:
+        if str(trajectory_dir) not in _write_failures_logged:
+            _write_failures_logged.add(str(trajectory_dir))
+            logger.warning("episode %s: trajectory not written to %s: %s", record.get("episode_id"), path, exc)
+        return None
+    return path
+
+
+def write_episode(
+    trajectory_dir: str | os.PathLike[str],
+    *,
+    episode_id: str,
+    spec: Any,
+    run_kwargs: Mapping[str, Any],
+    episode: Any,
+    output: Any,
+) -> Path | None:
+    """Build and append the record of one rollout (what ``BrowserToolAgentLoop.run`` calls)."""
+    try:
+        record = episode_record(episode_id=episode_id, spec=spec, run_kwargs=run_kwargs, episode=episode, output=output)
+    except Exception:  # a record is for reading; it must never cost the rollout
+        logger.exception("episode %s: could not build its trajectory record", episode_id)
+        return None
+    return write_record(trajectory_dir, record)

@@ -115,3 +115,160 @@ async def test_nothing_is_written_when_trajectory_dir_is_null(rollout, tmp_path,
     await rollout(WALK, trajectory_dir=None)
 
     assert list(tmp_path.rglob("*")) == []
+
+
+async def test_a_script_tag_in_the_policys_answer_reaches_the_page_as_text(rollout, tmp_path):
+    answer = "<script>document.title='owned'</script>"
+    await rollout(sp.steps(sp.observe(), sp.finish(answer)), trajectory_dir=str(tmp_path / "records"))
+
+    (record,) = records_in(tmp_path / "records")
+    assert record["final_answer"] == answer  # the record keeps the policy's text as it was
+    page = tmp_path / "page.html"
+    assert tj.main([str(tmp_path / "records"), "--html", str(page)]) == 0
+    text = page.read_text()
+    assert "<script" not in text
+    assert "&lt;script&gt;document.title=&#x27;owned&#x27;&lt;/script&gt;" in text
+
+
+def test_credentials_in_urls_are_redacted_and_search_terms_kept():
+    url = "https://user:pw@shop.example/search?q=red+shoes&access_token=abc123&page=2#top"
+
+    redacted = tj.redact_url(url)
+
+    assert "abc123" not in redacted and "user:pw" not in redacted
+    assert "q=red+shoes" in redacted and "page=2" in redacted and f"access_token={tj.REDACTED}" in redacted
+    assert tj.redact_text(f"navigate(url='{url}') -> ok").count("abc123") == 0
+    assert tj.redact_url("https://shop.example/item/7?q=x") == "https://shop.example/item/7?q=x"
+
+
+# ----- the page: groups side by side, both advantages ----------------------------------------------------------
+
+
+def record(uid, session, reward, *, step=3, invalid=False, kind=None, answer="42", task="shop--price"):
+    return {
+        "version": tj.RECORD_VERSION,
+        "episode_id": f"r0-{uid}-{session}",
+        "task_id": task,
+        "question": "What does the red kettle cost?",
+        "start_url": "http://127.0.0.1:8000/index.html",
+        "global_steps": step,
+        "uid": uid,
+        "session_id": session,
+        "reward": reward,
+        "flags": {
+            "env_invalid": invalid,
+            "env_failure_kind": kind,
+            "env_failure_reason": f"session s{session} lost" if invalid else None,
+            "attempts": 3 if invalid else 1,
+            "deadline_hit": False,
+            "reward_source": None if invalid else "verify",
+        },
+        "failed_attempt_kinds": [kind] * 3 if invalid else [],
+        "steps": [{"index": 0, "action": "observe", "arguments": "", "result": "ok", "at_s": 0.4}],
+        "final_answer": answer,
+        "last_page": {"url": "http://127.0.0.1:8000/kettle.html", "title": "Red kettle", "text": "Price 42"},
+    }
+
+
+# Group "a", hand-computed. Rewards 1, 0, 0 (invalid), 0 (invalid).
+#   stock GRPO: mean 0.25, unbiased std sqrt((0.75² + 3 × 0.25²) / 3) = 0.5 → +1.5, -0.5, -0.5, -0.5
+#   recipe (grpo_env_aware over the valid two): mean 0.5, std sqrt(0.5) → +0.707, -0.707; invalid ones 0
+GROUP_A = [
+    record("a", 0, 1.0),
+    record("a", 1, 0.0),
+    record("a", 2, 0.0, invalid=True, kind="session_lost"),
+    record("a", 3, 0.0, invalid=True, kind="session_lost"),
+]
+LOG_A = {0: (1.0, 0.7071), 1: (0.0, -0.7071), 2: (0.0, 0.0), 3: (0.0, 0.0)}
+
+
+def write_run(folder: Path, records: list[dict], log: dict[str, tuple[float, float]] | None = None) -> Path:
+    for item in records:
+        path = folder / "records" / f"step-{item['global_steps']:06d}" / "host-1.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as out:
+            out.write(json.dumps(item) + "\n")
+    samples = [
+        {"key": f"{key}_0", "uid": key.split("_")[0], "env_invalid": None, "score": score, "advantage": advantage}
+        for key, (score, advantage) in (log or {}).items()
+    ]
+    (folder / "advantages.jsonl").write_text(json.dumps({"step": 3, "samples": samples}) + "\n")
+    return folder / "records"
+
+
+def test_stock_grpo_is_computed_plainly_from_the_group_with_failures_as_zeros():
+    assert tj.stock_grpo_advantages([1.0, 0.0, 0.0, 0.0]) == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert tj.stock_grpo_advantages([1.0]) == pytest.approx([1.0], abs=1e-5)  # verl: a group of one, mean 0, std 1
+    assert tj.stock_grpo_advantages([1.0, 1.0]) == [0.0, 0.0]
+
+
+def test_the_page_shows_each_group_side_by_side_with_the_recipes_and_stock_grpos_advantages(tmp_path):
+    group_b = [record("b", 0, 1.0, task="shop--open"), record("b", 1, 1.0, task="shop--open")]
+    later = [record("c", 0, 0.0, step=4), record("c", 1, 1.0, step=4)]
+    log = {f"a_{s}": LOG_A[s] for s in range(4)} | {"b_0": (1.0, 0.0), "b_1": (1.0, 0.0)}
+    records_dir = write_run(tmp_path, GROUP_A + group_b + later, log)
+
+    page = tmp_path / "page.html"
+    status = tj.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)])
+
+    assert status == 0
+    text = page.read_text()
+    assert text.count('<section class="step"') == 2 and 'id="step-3"' in text and 'id="step-4"' in text
+    assert text.count('<div class="group"') == 3
+    group_a = text.split('data-group="uid a"')[1].split('<div class="group"')[0]
+    recipe = [float(v) for v in _cells(group_a, "adv-recipe")]
+    stock = [float(v) for v in _cells(group_a, "adv-stock")]
+    assert recipe == [0.707, -0.707, 0.0, 0.0]
+    assert stock == [1.5, -0.5, -0.5, -0.5]
+    assert group_a.count('<article class="episode invalid"') == 2 and "invalid: session_lost" in group_a
+    group_c = text.split('data-group="uid c"')[1]
+    assert _cells(group_c, "adv-recipe") == ["n/a", "n/a"]  # not in the log: shown as missing, never as 0
+    assert [float(v) for v in _cells(group_c, "adv-stock")] == [-0.707, 0.707]
+
+
+def _cells(fragment: str, name: str) -> list[str]:
+    import re
+
+    return re.findall(rf'<td class="{name} [a-z]+">([^<]*)</td>', fragment)
+
+
+def test_a_log_whose_scores_disagree_with_the_records_fails_the_check_but_the_page_is_written(tmp_path, capsys):
+    records_dir = write_run(tmp_path, GROUP_A, {"a_0": (0.0, 0.0), "a_1": (0.0, 0.0)})
+    page = tmp_path / "page.html"
+
+    assert tj.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)]) == 1
+
+    assert page.exists()
+    assert "reward 1 in its record, score 0 in the advantage log" in capsys.readouterr().err
+
+
+def test_bad_input_is_a_usage_error_with_the_file_and_line_and_nothing_is_written(tmp_path, capsys):
+    records_dir = write_run(tmp_path, GROUP_A[:1])
+    (records_dir / "step-000003" / "host-1.jsonl").open("a").write("{not json\n")
+    page = tmp_path / "page.html"
+
+    assert tj.main([str(records_dir), "--html", str(page)]) == 2
+    assert "host-1.jsonl:2: not a JSON line" in capsys.readouterr().err
+    assert tj.main([str(tmp_path / "missing"), "--html", str(page)]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert tj.main([str(tmp_path / "empty"), "--html", str(page)]) == 2
+    assert "no trajectory records" in capsys.readouterr().err
+    (tmp_path / "bad-log.jsonl").write_text('{"step": 1, "samples": [{"key": "a_0_0"}]}\n')
+    assert tj.main([str(records_dir.parent / "empty"), "--html", str(page)]) == 2
+    good = write_run(tmp_path / "good", GROUP_A[:1])
+    assert tj.main([str(good), "--advantages", str(tmp_path / "bad-log.jsonl"), "--html", str(page)]) == 2
+    assert "bad-log.jsonl:1: not an advantage-log line" in capsys.readouterr().err
+    assert not page.exists()
+
+
+def test_help_explains_the_inputs_and_exit_statuses(capsys):
+    with pytest.raises(SystemExit) as stop:
+        tj.main(["--help"])
+
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert "--advantages" in text and "NEMO_GYM_BROWSER_ADVANTAGE_LOG" in text and "exit status" in text
+    with pytest.raises(SystemExit) as stop:
+        tj.main([])
+    assert stop.value.code == 2

@@ -272,3 +272,71 @@ def test_help_explains_the_inputs_and_exit_statuses(capsys):
     with pytest.raises(SystemExit) as stop:
         tj.main([])
     assert stop.value.code == 2
+
+
+# ----- the page in a real browser -----------------------------------------------------------------------------
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_TIMEOUT_S = 60.0
+
+
+def chromium(page: Path, profile: Path, *arguments: str) -> bytes:
+    """Debian's headless Chromium on a file:// page; its whole process group is stopped whatever happens."""
+    import os
+    import signal
+    import subprocess
+
+    process = subprocess.Popen(
+        [
+            str(CHROMIUM),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            "--window-size=1400,1000",
+            *arguments,
+            page.as_uri(),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        out, _ = process.communicate(timeout=CHROMIUM_TIMEOUT_S)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    assert process.returncode == 0, f"chromium exited {process.returncode}"
+    return out
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.integration
+def test_headless_chromium_renders_the_groups_side_by_side_with_both_advantages_and_runs_no_policy_script(tmp_path):
+    hostile = record("a", 1, 0.0, answer="<script>document.title='owned'</script>")
+    group_b = [record("b", 0, 1.0, task="shop--open"), record("b", 1, 0.0, task="shop--open")]
+    log = {f"a_{s}": LOG_A[s] for s in range(4)} | {"b_0": (1.0, 0.7071), "b_1": (0.0, -0.7071)}
+    records_dir = write_run(tmp_path, [GROUP_A[0], hostile, *GROUP_A[2:], *group_b], log)
+    page = tmp_path / "page.html"
+    assert tj.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)]) == 0
+
+    shot = tmp_path / "page.png"
+    chromium(page, tmp_path / "profile-shot", f"--screenshot={shot}")
+    dom = chromium(page, tmp_path / "profile-dom", "--dump-dom").decode()
+
+    width, height = png_size(shot.read_bytes())
+    assert (width, height) == (1400, 1000) and shot.stat().st_size > 20_000  # drawn, not a blank page
+    assert "<title>Trajectories</title>" in dom  # the policy's script never ran (it would have renamed the page)
+    assert "<script" not in dom and "&lt;script&gt;document.title" in dom
+    assert dom.count('class="group"') == 2 and dom.count('<article class="episode') == 6
+    group_a = dom.split('data-group="uid a"')[1].split('data-group="uid b"')[0]
+    assert [float(v) for v in _cells(group_a, "adv-recipe")] == [0.707, -0.707, 0.0, 0.0]
+    assert [float(v) for v in _cells(group_a, "adv-stock")] == [1.5, -0.5, -0.5, -0.5]

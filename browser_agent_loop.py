@@ -968,6 +968,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 run_kwargs=kwargs,
                 episode=outcome.episode,
                 output=output,  # the (final) sample, which carries the episode's flags and reward
+                tokenizer=self.tokenizer,
             )
         return output
 

@@ -4,9 +4,10 @@ What this module owns
     * The record of one rollout (:func:`episode_record`), written by ``BrowserToolAgentLoop.run`` when the setting
       ``trajectory_dir`` is set (null: nothing is written): the task (id, question, start URL), the final attempt's
       steps (action, arguments, result, when), its final answer and last page, the per-sample flags, the reward,
-      the kinds of the failed attempts before it, and verl's ``uid`` / ``session_id`` / ``global_steps`` when the
-      V1 trainer passed them. The steps are the lines ``BrowserEpisode`` already keeps for the judge (``steps``),
-      split into their parts, never a second recording; :class:`StepLines` notes when each line was added.
+      the kinds of the failed attempts before it, the model's last turn (decoded), and verl's ``uid`` /
+      ``session_id`` / ``global_steps`` when the V1 trainer passed them. The steps are the lines ``BrowserEpisode``
+      already keeps for the judge (``steps``), split into their parts, never a second recording; :class:`StepLines`
+      notes when each line was added.
     * Where records go (:func:`write_record`): ``<trajectory_dir>/step-<global_steps>/<host>-<pid>.jsonl``, one file
       per training step and worker process, one ``os.write`` of one whole line per episode on a file opened with
       ``O_APPEND``: records of concurrent rollouts never interleave, and no two processes share a file.
@@ -162,6 +163,24 @@ def _last_page(episode: Any) -> dict[str, Any] | None:
     }
 
 
+def _last_model_turn(output: Any, tokenizer: Any) -> str | None:
+    """The sample's last run of policy tokens (its last turn), decoded: what the model said when no step shows it."""
+    if tokenizer is None:
+        return None
+    ids, mask = list(getattr(output, "response_ids", None) or []), list(getattr(output, "response_mask", None) or [])
+    if len(ids) != len(mask):
+        return None
+    end = len(mask)
+    while end > 0 and mask[end - 1] == 0:  # the tool turn after it, if any
+        end -= 1
+    start = end
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    if start == end:
+        return None  # no policy token counted (an invalid sample's mask is zeroed)
+    return _cut(redact_text(tokenizer.decode(ids[start:end], skip_special_tokens=True).strip()), ANSWER_CHARS)
+
+
 def _plain_scalar(value: Any) -> Any:
     """verl passes numpy scalars and strings; a record holds JSON types only."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -182,6 +201,7 @@ def episode_record(
     run_kwargs: Mapping[str, Any],
     episode: Any,
     output: Any,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     """The JSON-ready record of one finished rollout (``output`` carries the flags in ``extra_fields``)."""
     extra = dict(getattr(output, "extra_fields", None) or {})
@@ -211,6 +231,7 @@ def episode_record(
         "steps": _steps_of(episode),
         "final_answer": _cut(getattr(episode, "final_answer", None), ANSWER_CHARS) if episode is not None else None,
         "last_page": _last_page(episode),
+        "last_model_turn": _last_model_turn(output, tokenizer),
         "timing": {
             "episode_wall_s": extra.get("env_episode_wall_s"),
             "generate_s": round(float(getattr(metrics, "generate_sequences", 0.0) or 0.0), 4),
@@ -259,10 +280,13 @@ def write_episode(
     run_kwargs: Mapping[str, Any],
     episode: Any,
     output: Any,
+    tokenizer: Any = None,
 ) -> Path | None:
     """Build and append the record of one rollout (what ``BrowserToolAgentLoop.run`` calls)."""
     try:
-        record = episode_record(episode_id=episode_id, spec=spec, run_kwargs=run_kwargs, episode=episode, output=output)
+        record = episode_record(
+            episode_id=episode_id, spec=spec, run_kwargs=run_kwargs, episode=episode, output=output, tokenizer=tokenizer
+        )
     except Exception:  # a record is for reading; it must never cost the rollout
         logger.exception("episode %s: could not build its trajectory record", episode_id)
         return None
@@ -448,7 +472,7 @@ table.adv{border-collapse:collapse;width:100%;margin:4px 0}table.adv th{text-ali
 table.adv td{text-align:right;font:600 14px ui-monospace,monospace}.pos{color:#1b7a3a}.neg{color:#b3261e}
 .zero{color:#667}ol.steps{margin:6px 0;padding-left:22px;font-size:12px}ol.steps li{margin:2px 0;word-break:break-word}
 .action{font-weight:600}code{font:12px ui-monospace,monospace;background:#eef0f4;padding:0 2px}
-.when{color:#889;font-size:11px}.answer,.page-seen,.reason{font-size:12px;margin:4px 0;word-break:break-word}
+.when{color:#889;font-size:11px}.answer,.page-seen,.reason,.said{font-size:12px;margin:4px 0;word-break:break-word}
 """
 
 
@@ -510,6 +534,8 @@ def _episode_html(episode: Episode) -> str:
     parts.append(f'<ol class="steps">{"".join(steps)}</ol>' if steps else '<p class="reason">no browser steps</p>')
     if record.get("final_answer") is not None:
         parts.append(f'<p class="answer">answer: <code>{_e(record["final_answer"])}</code></p>')
+    if record.get("last_model_turn"):
+        parts.append(f'<p class="said">model\'s last turn: <code>{_e(record["last_model_turn"])}</code></p>')
     if page:
         parts.append(f'<p class="page-seen">last page: {_e(page.get("title"))} <code>{_e(page.get("url"))}</code></p>')
     parts.append("</article>")

@@ -80,6 +80,7 @@ async def test_each_rollout_writes_one_record_with_its_steps_flags_reward_and_ve
     times = [step["at_s"] for step in record["steps"]]
     assert times == sorted(times) and times[0] >= 0
     assert record["final_answer"] == "ALPHA-42"
+    assert "ALPHA-42" in record["last_model_turn"] and "finish" in record["last_model_turn"]
     assert "about.html" in record["last_page"]["url"]
     assert record["episode_id"].startswith("r0-")
 

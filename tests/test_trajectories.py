@@ -8,7 +8,9 @@ in Debian's headless Chromium.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,38 @@ async def test_an_exhausted_rollout_is_recorded_invalid_with_its_kind_and_reason
     assert record["flags"]["env_failure_reason"]
     assert record["failed_attempt_kinds"] == ["seed_failed", "seed_failed"]
     assert record["steps"] == [] and record["reward"] == 0.0
+
+
+async def test_concurrent_rollouts_of_one_process_append_whole_lines_to_one_file(rollout, tmp_path):
+    rows = [make_row(task="Open the About page", verifier_metadata=ABOUT, index=i) for i in range(4)]
+
+    await asyncio.gather(*(rollout(WALK, row=row, trajectory_dir=str(tmp_path)) for row in rows))
+
+    (path,) = tmp_path.rglob("*.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(r["index"] for r in records) == [0, 1, 2, 3]
+    assert len({r["episode_id"] for r in records}) == 4
+
+
+def _write_many(folder: str, worker: int, count: int) -> None:
+    for number in range(count):
+        tj.write_record(folder, {"episode_id": f"w{worker}-{number}", "global_steps": 5, "pad": "x" * 20_000})
+
+
+def test_worker_processes_write_separate_files_and_no_line_is_torn(tmp_path):
+    context = multiprocessing.get_context("fork")  # a worker process of its own pid, quickly
+    workers = [context.Process(target=_write_many, args=(str(tmp_path), worker, 50)) for worker in range(2)]
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+
+    files = sorted((tmp_path / "step-000005").glob("*.jsonl"))
+    assert len(files) == 2  # one per process
+    for path in files:
+        ids = [json.loads(line)["episode_id"] for line in path.read_text().splitlines()]
+        assert len(ids) == 50 and len({i.split("-")[0] for i in ids}) == 1
 
 
 async def test_nothing_is_written_when_trajectory_dir_is_null(rollout, tmp_path, monkeypatch):

@@ -52,12 +52,31 @@ The turn limit
     generation, before it parses that turn's tool calls. A ``finish`` there is run by the loop itself, so its
     answer reaches verify or the judge; other actions of that turn are not run (no one would read their page).
 
+Step-wise mode (``stepwise.enabled``, default off; V1 trainer only)
+    One sample per policy step instead of one per episode. Each step's prompt is rendered afresh with verl's
+    prompt builder (the tool schemas as ``ToolAgentLoop`` renders them): the task (the row's system and user
+    messages), one user message with a line per earlier step (action, arguments, result, page; the newest
+    ``history_steps`` of them, older ones only counted) and the latest ``history_observations`` steps whole (the
+    model's own turn and the tool results it read). Its response is that step's generation alone, so tokens per
+    sample do not grow with the episode. Everything else is the default mode's code: the attempt, its session,
+    deadline, hold limit, URL guard and resampling; tool calls through verl's ``_call_tool``; a ``finish`` after
+    the turn limit; verify or the judge on the final answer. ``run`` returns the final attempt's step samples as a
+    list, each carrying the episode's reward and flags (an invalid episode: every step masked) plus ``env_step`` /
+    ``env_steps``. verl's V1 worker stores them as ``{uid}_{session}_{index}``; its GRPO (``grpo_env_aware``
+    through ``patches.py``) compares each session's final step only, one per episode, and gives every step of
+    the session that advantage, so long episodes weigh no more than short ones in the baseline. In the loss each
+    step sample counts by its tokens (verl's ``loss_agg_mode``): a 30-step episode weighs about six times a
+    5-step one, as it does in the default mode, where its single sample holds six times the policy tokens; the
+    recipe does not rescale this. The legacy trainer takes one sample per prompt: step-wise mode is refused
+    there (at construction, and in ``run`` when called without the V1 worker's ``session_id``).
+
 Where the flags go
-    ``AgentLoopOutput.extra_fields`` of the returned sample, written at the end of ``run`` (never before the first
-    generation, which would stop verl copying ``min/max_global_steps``): ``env_invalid``, ``env_failure_kind``,
-    ``env_failure_reason``, ``env_attempts``, ``deadline_hit``, ``reward_source``, plus ``env_failed_attempt_kinds``,
-    ``env_episode_wall_s``, ``env_refused_navigations`` for metrics, and numeric copies under
-    ``reward_extra_info`` (see :mod:`nemo_gym_browser.episode_metrics`).
+    ``AgentLoopOutput.extra_fields`` of the returned sample (of every step sample in step-wise mode), written at the
+    end of ``run`` (never before the first generation, which would stop verl copying ``min/max_global_steps``):
+    ``env_invalid``, ``env_failure_kind``, ``env_failure_reason``, ``env_attempts``, ``deadline_hit``,
+    ``reward_source``, plus ``env_failed_attempt_kinds``, ``env_episode_wall_s``, ``env_refused_navigations`` for
+    metrics (and ``env_step`` / ``env_steps`` in step-wise mode), and numeric copies under ``reward_extra_info``
+    (see :mod:`nemo_gym_browser.episode_metrics`).
 
 Settings
     Constructor keyword arguments from the agent-loop YAML (``configs/agent_loop.yaml``), overridden key by key by
@@ -80,9 +99,9 @@ import re
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
@@ -90,6 +109,7 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, 
 from verl.experimental.agent_loop.tool_parser import FunctionCall, HermesToolParser
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from verl.utils.profiler import simple_timer
 from verl.utils.ray_utils import get_event_loop
 
 from . import dropped_rollouts, trajectories
@@ -106,6 +126,7 @@ from .judge import BinaryJudge, JudgeConfig, JudgeEvidence
 from .url_safety import UrlGuard, UrlPolicy, UrlRefused, url_scheme
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 AGENT_LOOP_NAME = "nemo_gym_browser_agent"
 DROP_INVALID_ENV = "NEMO_GYM_BROWSER_DROP_INVALID"
@@ -138,6 +159,13 @@ _BACKOFF_CAP_S = 30.0
 DEADLINE_MESSAGE = "The time limit of this episode has been reached; no further browser actions are possible."
 FINISHED_MESSAGE = "The task is already finished; no further browser actions are possible."
 ABANDONED_MESSAGE = "The browser environment failed; this attempt is abandoned."
+LEGACY_STEPWISE_MESSAGE = (
+    "step-wise mode (stepwise.enabled: true) returns one sample per policy step, which only verl's V1 trainer "
+    "accepts (trainer.use_v1=true); the legacy trainer needs exactly one sample per prompt. Use the V1 trainer or "
+    "set stepwise.enabled=false"
+)
+# The first line of a step-wise prompt's history message (test policies read the step number from it).
+STEP_HISTORY_HEADER = "Progress so far: {steps} step(s) taken in this episode."
 NO_JUDGE_REASON = (
     "the task has no verifier_metadata and no judge is configured (JUDGE_ENABLE=0 / judge: null), so nothing can "
     "score it; no episode was run"
@@ -149,6 +177,21 @@ _CURRENT_EPISODE: contextvars.ContextVar[BrowserEpisode | None] = contextvars.Co
 
 
 # ----- settings -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepwiseSettings:
+    """Step-wise samples (see "Step-wise mode" in the module docstring); off by default."""
+
+    enabled: bool = False
+    history_observations: int = 1  # latest steps shown whole (the model's turn and its tool results)
+    history_steps: int = 10  # earlier steps shown as one line each, newest kept; older ones only counted
+
+    def __post_init__(self) -> None:
+        if self.history_observations < 1:
+            raise ValueError("stepwise.history_observations must be at least 1 (the policy must see a page)")
+        if self.history_steps < 0:
+            raise ValueError("stepwise.history_steps must not be negative")
 
 
 @dataclass(frozen=True)
@@ -167,6 +210,7 @@ class BrowserLoopSettings:
     max_tool_response_length: int | None = None  # overrides multi_turn.max_tool_response_length when set
     trajectory_dir: str | None = None  # one JSONL record per rollout under this folder (trajectories.py); None: off
     call_timeout_grace_s: float = 5.0  # safety net above the environment's own per-call timeout
+    stepwise: StepwiseSettings = field(default_factory=StepwiseSettings)
 
     def __post_init__(self) -> None:
         if self.episode_deadline_s <= 0:
@@ -205,6 +249,12 @@ class BrowserLoopSettings:
             )
         if "allowlist" in policy:
             policy["allowlist"] = tuple(policy["allowlist"] or ())
+        stepwise = values.pop("stepwise", None) or {}
+        stepwise_known = {f.name for f in fields(StepwiseSettings)}
+        if set(stepwise) - stepwise_known:
+            raise ValueError(
+                f"unknown stepwise keys {sorted(set(stepwise) - stepwise_known)}; known: {sorted(stepwise_known)}"
+            )
         judge = values.pop("judge", None)
         if isinstance(judge, str):
             judge = JudgeConfig.from_yaml(_recipe_path(judge))
@@ -213,6 +263,7 @@ class BrowserLoopSettings:
         return cls(
             environment=EnvironmentConfig.from_mapping(environment),
             url_policy=UrlPolicy(**policy),
+            stepwise=StepwiseSettings(**stepwise),
             judge=judge,
             **values,
         )
@@ -825,8 +876,17 @@ async def generate_within(generation: Awaitable[Any], timeout_s: float, label: s
 
 
 @dataclass
+class _StepRecord:
+    """One policy step of a step-wise episode, as later steps' prompts show it."""
+
+    assistant_text: str  # the model's turn, tool calls included, as it generated it
+    results: list[str]  # the tool messages it read back
+    summary: str  # the one line shown once the step has left the latest ``history_observations``
+
+
+@dataclass
 class _AttemptOutcome:
-    output: AgentLoopOutput | None
+    outputs: list[AgentLoopOutput]  # one sample, or one per policy step in step-wise mode; [] if nothing ran
     failure: EnvironmentFailure | None
     reward: float = 0.0
     reward_source: str | None = None
@@ -859,6 +919,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 "BrowserToolAgentLoop found no BrowserTool: set actor_rollout_ref.rollout.multi_turn.tool_config_path "
                 "to configs/browser_tool.yaml (or configs/browser_native_tools.yaml)"
             )
+        if self.settings.stepwise.enabled and not bool(self.config.trainer.get("use_v1", False)):
+            raise ValueError(LEGACY_STEPWISE_MESSAGE)
         self._judge = BinaryJudge.shared(self.settings.judge) if self.settings.judge is not None else None
         if not track_rollout_requests(self.server_manager):
             _warn_once(
@@ -874,11 +936,14 @@ class BrowserToolAgentLoop(ToolAgentLoop):
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list[AgentLoopOutput]:
         spec = EpisodeSpec.from_tools_kwargs(kwargs.get("tools_kwargs"))
         under_v1 = running_under_v1_trainer(kwargs)
+        stepwise = self.settings.stepwise.enabled
+        if stepwise and not under_v1:
+            raise RuntimeError(LEGACY_STEPWISE_MESSAGE)
         rollout_id = f"r{kwargs.get('index', 'x')}-{uuid.uuid4().hex[:16]}"
         started = time.monotonic()
         failed_kinds: list[str] = []
         timings = {"generate_sequences": 0.0, "tool_calls": 0.0}
-        outcome = _AttemptOutcome(output=None, failure=None)
+        outcome = _AttemptOutcome(outputs=[], failure=None)
         attempt = 0
         unscorable = spec.verifier_metadata is None and self._judge is None
         if unscorable:
@@ -895,9 +960,9 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if attempt > 1 and self.settings.resample_backoff_s > 0:
                 await asyncio.sleep(min(self.settings.resample_backoff_s * 2 ** (attempt - 2), _BACKOFF_CAP_S))
             outcome = await self._run_attempt(sampling_params, kwargs, spec, rollout_id, attempt)
-            if outcome.output is not None:
+            for step_output in outcome.outputs:
                 for key in timings:
-                    timings[key] += float(getattr(outcome.output.metrics, key, 0.0) or 0.0)
+                    timings[key] += float(getattr(step_output.metrics, key, 0.0) or 0.0)
             if outcome.failure is None:
                 break
             failed_kinds.append(outcome.failure.kind.value)
@@ -933,11 +998,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 return []
             _warn_legacy_drop()
 
-        output = outcome.output if outcome.output is not None else await self._placeholder_output(kwargs)
-        if invalid:
-            output.response_mask = [0] * len(output.response_mask)  # out of the loss; the estimator drops the reward
-        _ensure_response_token(output, self.tokenizer)
-        output.reward_score = 0.0 if invalid else outcome.reward
+        # Only the final attempt's samples are returned: an abandoned attempt's steps never reach the trainer.
+        outputs = outcome.outputs or [await self._placeholder_output(kwargs)]
         flags = {
             "env_invalid": invalid,
             "env_failure_kind": outcome.failure.kind.value if invalid else None,
@@ -949,17 +1011,25 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             "env_episode_wall_s": round(time.monotonic() - started, 4),
             "env_refused_navigations": outcome.refused_navigations,
         }
-        output.extra_fields.update(flags)
-        output.extra_fields["reward_extra_info"] = reward_extra_info(flags)
-        if "global_steps" in kwargs:  # the V1 trainer needs them even when the model was never called
-            for key in ("min_global_steps", "max_global_steps"):
-                if output.extra_fields.get(key) is None:
-                    output.extra_fields[key] = kwargs["global_steps"]
-        output.metrics = AgentLoopMetrics(
-            generate_sequences=timings["generate_sequences"],
-            tool_calls=timings["tool_calls"],
-            num_preempted=output.metrics.num_preempted if outcome.output is not None else -1,
-        )
+        for number, output in enumerate(outputs, start=1):
+            if invalid:  # out of the loss, every step of the episode; the estimator drops the reward
+                output.response_mask = [0] * len(output.response_mask)
+            _ensure_response_token(output, self.tokenizer)
+            output.reward_score = 0.0 if invalid else outcome.reward
+            output.extra_fields.update(flags)
+            if stepwise:  # the episode's flags on every step; metrics count the final step only
+                output.extra_fields.update({"env_step": number, "env_steps": len(outputs)})
+            output.extra_fields["reward_extra_info"] = reward_extra_info(flags)
+            if "global_steps" in kwargs:  # the V1 trainer needs them even when the model was never called
+                for key in ("min_global_steps", "max_global_steps"):
+                    if output.extra_fields.get(key) is None:
+                        output.extra_fields[key] = kwargs["global_steps"]
+            final = number == len(outputs)
+            output.metrics = AgentLoopMetrics(  # the episode's timings, once, on its final sample
+                generate_sequences=timings["generate_sequences"] if final else 0.0,
+                tool_calls=timings["tool_calls"] if final else 0.0,
+                num_preempted=output.metrics.num_preempted if outcome.outputs else -1,
+            )
         if self.settings.trajectory_dir:  # written after the flags, so the record shows what the trainer gets
             trajectories.write_episode(
                 self.settings.trajectory_dir,
@@ -970,7 +1040,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 output=output,  # the (final) sample, which carries the episode's flags and reward
                 tokenizer=self.tokenizer,
             )
-        return output
+        return outputs if stepwise else outputs[0]
 
     async def _run_attempt(
         self,
@@ -984,8 +1054,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         label = f"rollout {rollout_id} attempt {attempt}"
         start_url = spec.initial_url if url_scheme(spec.initial_url or "") else None
         episode: BrowserEpisode | None = None
-        output: AgentLoopOutput | None = None
-        outcome = _AttemptOutcome(output=None, failure=None)
+        outputs: list[AgentLoopOutput] = []
+        outcome = _AttemptOutcome(outputs=[], failure=None)
         try:
             async with client.session(
                 rollout_id=rollout_id,
@@ -1005,7 +1075,10 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 )
                 token = _CURRENT_EPISODE.set(episode)
                 try:
-                    output = await ToolAgentLoop.run(self, sampling_params, **kwargs)
+                    if self.settings.stepwise.enabled:
+                        outputs = await self._run_steps(sampling_params, kwargs, episode)
+                    else:
+                        outputs = [await ToolAgentLoop.run(self, sampling_params, **kwargs)]
                 finally:
                     _CURRENT_EPISODE.reset(token)
                 if episode.failure is None and spec.verifier_metadata:
@@ -1020,12 +1093,130 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         assert episode is not None
         if episode.failure is None and not spec.verifier_metadata:
             await self._score_with_judge(episode, spec, rollout_id, outcome)
-        outcome.output = output
+        outcome.outputs = outputs
         outcome.failure = episode.failure
         outcome.deadline_hit = episode.deadline_hit
         outcome.refused_navigations = episode.refused_navigations
         outcome.episode = episode
         return outcome
+
+    # --- step-wise mode: one sample per policy step, over a bounded prompt ---------------------------------------
+
+    async def _run_steps(
+        self, sampling_params: dict[str, Any], kwargs: Mapping[str, Any], episode: BrowserEpisode
+    ) -> list[AgentLoopOutput]:
+        """The attempt as one sample per policy step (the episode's bounds and tool path are the default mode's).
+
+        Each step's prompt is rendered afresh (:meth:`_step_messages`) with verl's own prompt builder, generated
+        by the server manager under :meth:`_bounded_generation`, and its tool calls run through verl's
+        ``_call_tool`` on an ``AgentData`` carrying the episode, exactly as in the default mode. The episode ends
+        as there: a turn without a tool call, the episode over (finish, deadline, failure), or the turn limit
+        (after whose last generation only a ``finish`` is run).
+        """
+        task_messages = list(kwargs["raw_prompt"])
+        tools_kwargs = kwargs.get("tools_kwargs") or {}
+        agent_data = AgentData(
+            messages=task_messages,
+            image_data=None,
+            video_data=None,
+            audio_data=None,
+            mm_processor_kwargs=None,
+            metrics={},
+            request_id=self._make_request_id(int(kwargs.get("priority", 0) or 0), self.rollout_config.full_determinism),
+            tools_kwargs=tools_kwargs,
+        )
+        setattr(agent_data, EPISODE_ATTRIBUTE, episode)
+        if self.tool_parser.stop_token_ids:  # as verl's ToolAgentLoop: stop after each tool call
+            stop_token_ids = list(set((sampling_params.get("stop_token_ids") or []) + self.tool_parser.stop_token_ids))
+            sampling_params = {**sampling_params, "stop_token_ids": stop_token_ids}
+        schemas = [tool.tool_schema for tool in self.tools.values()]
+        history: list[_StepRecord] = []
+        outputs: list[AgentLoopOutput] = []
+        while not self.max_assistant_turns or len(outputs) < self.max_assistant_turns:
+            prompt_ids = await self.ct_build_initial_tokens(
+                self._step_messages(task_messages, history), tools=self.tool_schemas
+            )
+            timing: dict[str, float] = {}
+
+            async def generate(prompt_ids: list[int] = prompt_ids, timing: dict[str, float] = timing) -> Any:
+                with simple_timer("generate_sequences", timing):
+                    return await self.server_manager.generate(
+                        request_id=agent_data.request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+                    )
+
+            generated = await self._bounded_generation(episode, generate)
+            if generated is None:
+                break
+            output = await self._step_output(prompt_ids, generated, timing)
+            outputs.append(output)
+            if self.max_assistant_turns and len(outputs) >= self.max_assistant_turns:
+                await self._finish_only(output.response_ids, self.tools, episode)
+                break
+            _, calls = await self.tool_parser.extract_tool_calls(output.response_ids, schemas)
+            if not calls:
+                break
+            steps_before = len(episode.steps)
+            started = time.monotonic()
+            responses = await asyncio.gather(
+                *(self._call_tool(call, tools_kwargs, agent_data) for call in calls[: self.max_parallel_calls])
+            )
+            output.metrics = output.metrics.model_copy(update={"tool_calls": time.monotonic() - started})
+            results = [response.text or "" for response, _reward, _extra in responses]
+            history.append(
+                _StepRecord(
+                    assistant_text=self.tokenizer.decode(output.response_ids, skip_special_tokens=True).strip(),
+                    results=results,
+                    summary=_step_summary(episode.steps[steps_before:], calls, results),
+                )
+            )
+            if episode.over:
+                break
+        return outputs
+
+    def _step_messages(self, task_messages: list[dict[str, Any]], history: list[_StepRecord]) -> list[dict[str, Any]]:
+        """One step's prompt: the task, one line per earlier step (at most ``history_steps``), then the latest
+        ``history_observations`` steps whole (the model's turn and the tool results it read)."""
+        if not history:
+            return list(task_messages)
+        settings = self.settings.stepwise
+        recent = history[-settings.history_observations :]
+        earlier = history[: len(history) - len(recent)]
+        shown = earlier[len(earlier) - settings.history_steps :] if settings.history_steps else []
+        lines = [STEP_HISTORY_HEADER.format(steps=len(history))]
+        if len(earlier) > len(shown):
+            lines.append(f"(steps 1-{len(earlier) - len(shown)} are not shown)")
+        first = len(earlier) - len(shown) + 1
+        lines.extend(f"Step {first + offset}: {record.summary}" for offset, record in enumerate(shown))
+        lines.append(f"The latest {len(recent)} step(s) follow in full.")
+        messages = [*task_messages, {"role": "user", "content": "\n".join(lines)}]
+        for record in recent:
+            messages.append({"role": "assistant", "content": record.assistant_text})
+            messages.extend({"role": "tool", "content": result} for result in record.results)
+        return messages
+
+    async def _step_output(self, prompt_ids: list[int], generated: Any, timing: Mapping[str, float]) -> AgentLoopOutput:
+        """One step's sample: its prompt and the generation, aligned by verl's token builder as in the default mode."""
+        merged, mask, logprobs = await self.ct_merge_assistant_token(
+            prompt_ids,
+            generated.token_ids,
+            [],
+            [] if generated.log_probs else None,
+            assistant_logprobs=generated.log_probs or None,
+        )
+        tokens = merged.token_ids
+        response_ids = tokens[len(tokens) - len(mask) :] if mask else []
+        return AgentLoopOutput(
+            prompt_ids=tokens[: len(tokens) - len(mask)],
+            response_ids=response_ids[: self.response_length],
+            response_mask=mask[: self.response_length],
+            response_logprobs=logprobs[: self.response_length] if logprobs else None,
+            num_turns=2,
+            metrics=AgentLoopMetrics(
+                generate_sequences=timing.get("generate_sequences", 0.0),
+                num_preempted=generated.num_preempted if generated.num_preempted is not None else -1,
+            ),
+            extra_fields=dict(generated.extra_fields or {}),
+        )
 
     async def _score_with_judge(
         self, episode: BrowserEpisode, spec: EpisodeSpec, rollout_id: str, outcome: _AttemptOutcome
@@ -1077,30 +1268,40 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         episode = episode_of(agent_data)
         if episode is None:
             return await super()._handle_generating_state(agent_data, sampling_params, ignore_termination)
-        if episode.over:
+        state = await self._bounded_generation(
+            episode,
+            lambda: super(BrowserToolAgentLoop, self)._handle_generating_state(
+                agent_data, sampling_params, ignore_termination
+            ),
+        )
+        if state is None:
             return AgentState.TERMINATED
+        if state is AgentState.TERMINATED and self._stopped_at_turn_limit(agent_data):
+            tools = getattr(agent_data, "_active_tools", self.tools)
+            await self._finish_only(agent_data.response_ids, tools, episode)
+        return state
+
+    async def _bounded_generation(self, episode: BrowserEpisode, generation: Callable[[], Awaitable[_T]]) -> _T | None:
+        """``generation()`` within the episode's bounds; None when the episode ends instead (both modes use it).
+
+        The deadline never cuts a generation (its time is the model's, or the trainer's while it holds it); it is
+        checked before. Only the hold limit cuts one, and then the request is cancelled on the rollout server.
+        """
+        if episode.over:
+            return None
         if episode.remaining() <= 0:
             episode.hit_deadline("generation")
-            return AgentState.TERMINATED
+            return None
         hold_left = episode.hold_remaining()
         if hold_left <= 0:
             episode.fail(episode.held_too_long("generation"))
-            return AgentState.TERMINATED
-        # The deadline never cuts a generation (its time is the model's, or the trainer's while it holds it);
-        # only the hold limit does, and then the request is cancelled on the rollout server.
+            return None
         with episode.model_time():
             try:
-                state = await generate_within(
-                    super()._handle_generating_state(agent_data, sampling_params, ignore_termination),
-                    hold_left,
-                    episode.label,
-                )
+                return await generate_within(generation(), hold_left, episode.label)
             except asyncio.TimeoutError:
                 episode.fail(episode.held_too_long("generation"))
-                return AgentState.TERMINATED
-        if state is AgentState.TERMINATED and self._stopped_at_turn_limit(agent_data):
-            await self._finish_from_last_turn(agent_data, episode)
-        return state
+                return None
 
     def _stopped_at_turn_limit(self, agent_data: AgentData) -> bool:
         """verl ended the episode at its turn limit, before parsing the last turn's tool calls, with the whole
@@ -1111,15 +1312,14 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         user_limit = bool(self.max_user_turns) and agent_data.user_turns >= self.max_user_turns
         return assistant_limit or user_limit
 
-    async def _finish_from_last_turn(self, agent_data: AgentData, episode: BrowserEpisode) -> None:
+    async def _finish_only(self, response_ids: list[int], tools: Mapping[str, Any], episode: BrowserEpisode) -> None:
         """Run a ``finish`` among the last turn's tool calls, so its answer reaches verify or the judge.
 
         Only a finish: another action's page would never be read. The calls verl would have run are the first
         ``max_parallel_calls``; no tool turn is added, so the response still ends on the model's own tokens.
         """
-        tools = getattr(agent_data, "_active_tools", self.tools)
         schemas = [tool.tool_schema for tool in tools.values()]
-        _, calls = await self.tool_parser.extract_tool_calls(agent_data.response_ids, schemas)
+        _, calls = await self.tool_parser.extract_tool_calls(response_ids, schemas)
         for call in calls[: self.max_parallel_calls]:
             if not isinstance(tools.get(call.name), BrowserTool):
                 continue
@@ -1155,6 +1355,22 @@ def _ensure_response_token(output: AgentLoopOutput, tokenizer: Any) -> None:
         output.response_mask = [0]
         if output.response_logprobs is not None:
             output.response_logprobs = [0.0]
+
+
+def _step_summary(recorded: list[str], calls: list[FunctionCall], results: list[str]) -> str:
+    """One line for a step: what the episode recorded of its actions (else the calls themselves) and where it
+    left the page."""
+    if recorded:
+        line = "; ".join(recorded)
+    else:
+        line = "; ".join(
+            f"{call.name}({call.arguments[:80]}) -> {result.splitlines()[0][:120] if result else ''}"
+            for call, result in zip(calls, results, strict=False)
+        )
+    url, title, _ = parse_observation(results[-1] if results else None)
+    if url or title:
+        line += f" [page: {title or ''} {url or ''}]".replace("  ", " ")
+    return line
 
 
 _warned: set[str] = set()

@@ -41,6 +41,8 @@ FLAG_KEYS = (
     "env_episode_wall_s",
     "env_refused_navigations",
 )
+# Written in step-wise mode only (V1 trainer): the sample's step number and its episode's step count.
+STEP_KEYS = ("env_step", "env_steps")
 FAILURE_KINDS = (
     "seed_failed",
     "session_lost",
@@ -79,9 +81,12 @@ def episode_metrics(
     """Step metrics over the samples' flag dicts and the step's dropped rollouts (their flags, all invalid).
 
     Samples without flags (other agent loops) are skipped. Returns ``{}`` when no sample carries flags and nothing
-    was dropped, so a batch of another recipe adds nothing.
+    was dropped, so a batch of another recipe adds nothing. In step-wise mode every step sample carries its
+    episode's flags: only each episode's final step is counted (:func:`is_episode_row`), so every rate is over
+    episodes, and ``env/step_samples`` and ``env/steps/*`` say how many step samples there were.
     """
-    flagged = [row for row in rows if isinstance(row, Mapping) and "env_invalid" in row] + list(dropped)
+    samples = [row for row in rows if isinstance(row, Mapping) and "env_invalid" in row]
+    flagged = [row for row in samples if is_episode_row(row)] + list(dropped)
     if not flagged:
         return {}
     n = len(flagged)
@@ -114,7 +119,19 @@ def episode_metrics(
     for kind in FAILURE_KINDS:
         metrics[f"env/failed_attempts/{kind}"] = float(failed_attempts.get(kind, 0))
         metrics[f"env/invalid/{kind}"] = float(final_kinds.get(kind, 0))
+    lengths = [int(row["env_steps"]) for row in flagged if row.get("env_steps") is not None]
+    if lengths:  # step-wise samples present
+        metrics["env/step_samples"] = float(sum(1 for row in samples if row.get("env_steps") is not None))
+        metrics["env/steps/mean"] = sum(lengths) / len(lengths)
+        metrics["env/steps/max"] = float(max(lengths))
     return metrics
+
+
+def is_episode_row(row: Mapping[str, Any]) -> bool:
+    """Whether a sample stands for its episode: the only sample of a one-sample episode, or the final step sample
+    of a step-wise one (``env_step == env_steps``; the earlier steps repeat its flags)."""
+    step, steps = row.get("env_step"), row.get("env_steps")
+    return step is None or steps is None or int(step) == int(steps)
 
 
 def validation_drop_metrics(dropped: Sequence[Mapping[str, Any]], kept: int) -> dict[str, float]:

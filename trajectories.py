@@ -560,6 +560,10 @@ def _group_html(group: Group) -> str:
     )
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
 def render_page(groups: Sequence[Group], *, source: str, advantage_log: str | None) -> str:
     """The whole page: a section per training step, a box per GRPO group, its episodes side by side."""
     steps: dict[int | None, list[Group]] = {}
@@ -593,7 +597,8 @@ def render_page(groups: Sequence[Group], *, source: str, advantage_log: str | No
             "<title>Trajectories</title>",
             f"<style>{_CSS}</style></head><body>",
             '<header class="page"><h1>Trajectories</h1>',
-            f"<p>{episodes} episodes in {len(groups)} groups over {len(steps)} step(s), from {_e(source)}; "
+            f"<p>{_count(episodes, 'episode')} in {_count(len(groups), 'group')} over "
+            f"{_count(len(steps), 'training step')}, from {_e(source)}; "
             f"{log_note}. Stock GRPO: (r − mean) / (std + 1e-6) over the whole group, failures as zeros.</p>",
             f"<nav>{nav}</nav></header>",
             *sections,

@@ -469,7 +469,8 @@ def _make_v1_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable
         adv_estimator = trainer.config.algorithm.adv_estimator
         if not _is_grpo_family(adv_estimator):
             return original(*args, **kwargs)
-        flags = _fetch_v1_flags(batch)
+        rows = _fetch_v1_extra_fields(batch)
+        flags = _flags_of_rows(rows) if rows is not None else None
         if flags is None and _estimator_name(adv_estimator) == "grpo":
             return original(*args, **kwargs)
         token = _v1_flags.set(flags)
@@ -479,8 +480,12 @@ def _make_v1_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable
             _v1_flags.reset(token)
         metrics = bound.arguments["metrics"]
         if flags is not None and isinstance(metrics, dict):
+            from .episode_metrics import is_episode_row
+
             real = [not tag.get(PADDING_TAG, False) for tag in batch.tags] if batch.tags else [True] * len(flags)
-            counted = [flag for flag, keep in zip(flags.tolist(), real, strict=True) if keep]
+            # over episodes: a step-wise episode's earlier step samples repeat its final step's flag
+            episodes = [row is None or is_episode_row(row) for row in rows]
+            counted = [flag for flag, keep, ep in zip(flags.tolist(), real, episodes, strict=True) if keep and ep]
             metrics[INVALID_FRACTION_METRIC] = sum(counted) / len(counted) if counted else 0.0
         log_path = os.environ.get(ADVANTAGE_LOG_ENV)
         if log_path:
@@ -542,13 +547,10 @@ def _fetch_v1_extra_fields(batch: Any) -> list[dict[str, Any] | None] | None:
     return rows
 
 
-def _fetch_v1_flags(batch: Any) -> Any:
-    """``env_invalid`` of every sample of a V1 batch, from its TransferQueue ``extra_fields`` dicts; None if absent."""
+def _flags_of_rows(rows: list[dict[str, Any] | None]) -> Any:
+    """``env_invalid`` of every sample of a V1 batch from its ``extra_fields`` dicts; None if no sample has it."""
     import numpy as np
 
-    rows = _fetch_v1_extra_fields(batch)
-    if rows is None:
-        return None
     array = np.empty(len(rows), dtype=object)
     array[:] = [row.get(FLAG_KEY) if row is not None else None for row in rows]
     return flags_from_values(array)

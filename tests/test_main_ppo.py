@@ -155,3 +155,86 @@ def test_a_checkpoint_is_written_and_training_resumes_from_it(first_run, real_en
     # verl resumed at step 3: steps 1 and 2 were not trained again
     assert sorted(resumed.steps) == [3]
     assert tr.metric(resumed.steps, 3, "env/samples") > 0
+
+
+# ----- step-wise mode: one sample per policy step, the same plan of faults ----------------------------------------
+
+STEPWISE_OVERRIDES = (
+    "nemo_gym_browser.stepwise.enabled=true",
+    "nemo_gym_browser.stepwise.history_observations=1",
+    "nemo_gym_browser.stepwise.history_steps=10",
+)
+
+
+@pytest.fixture(scope="module")
+def stepwise_run(real_environment, shop_site, tiny_policy: Path, workdir: Path, data: tuple[Path, Path, int]):
+    """Two training steps in step-wise mode under the same fault plan as ``first_run``; no checkpoint."""
+    train, val, rows = data
+    with tr.InjectedFaults(real_environment.url, tr.planned_faults(PLAN)) as faults:
+        spec = tr.RunSpec(
+            model_path=tiny_policy,
+            train_file=train,
+            val_file=val,
+            server_urls=(faults.url,),
+            output_dir=workdir / "stepwise",
+            steps=2,
+            prompts_per_step=rows,
+            group_size=GROUP_SIZE,
+            extra_overrides=STEPWISE_OVERRIDES,
+        )
+        result = tr.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
+        left_open = faults.open_session_ids
+    state = real_environment.browser_state()
+    return result, rows, left_open, state
+
+
+def _sessions(samples: list[dict]) -> dict[str, list[dict]]:
+    """Step samples by episode: verl keys them ``{uid}_{session}_{index}``, in step order."""
+    episodes: dict[str, list[dict]] = {}
+    for sample in samples:
+        session, index = sample["key"].rsplit("_", 1)
+        episodes.setdefault(session, []).append((int(index), sample))
+    return {key: [sample for _, sample in sorted(steps, key=lambda pair: pair[0])] for key, steps in episodes.items()}
+
+
+def test_stepwise_mode_trains_two_real_steps_with_env_metrics_counting_episodes(stepwise_run) -> None:
+    result, rows, *_ = stepwise_run
+    _require_ok(result)
+    assert sorted(result.steps) == [1, 2]
+    episodes = rows * GROUP_SIZE
+    for step in (1, 2):
+        assert "actor/pg_loss" in result.steps[step]
+        assert tr.metric(result.steps, step, "env/samples") == episodes  # episodes, not step samples
+        assert tr.metric(result.steps, step, "env/step_samples") == len(result.advantages[step])
+        assert tr.metric(result.steps, step, "env/step_samples") >= episodes
+    assert tr.metric(result.steps, 1, "env/invalid_count") == 1
+    assert math.isclose(tr.metric(result.steps, 1, "env/invalid_rate"), 1 / episodes)
+    assert math.isclose(tr.metric(result.steps, 1, "grpo_env_aware/invalid_fraction"), 1 / episodes)
+    assert tr.metric(result.steps, 2, "env/invalid_count") == 0
+
+
+def test_stepwise_mode_gives_every_step_its_episodes_advantage_and_invalid_episodes_zero(stepwise_run) -> None:
+    result, rows, *_ = stepwise_run
+    _require_ok(result)
+    assert sorted(result.advantages) == [1, 2]
+    for step, samples in result.advantages.items():
+        episodes = _sessions(samples)
+        assert len(episodes) == rows * GROUP_SIZE
+        finals = [steps[-1] for steps in episodes.values()]
+        invalid = [bool(s["env_invalid"]) for s in finals]
+        assert sum(invalid) == (1 if step == 1 else 0)
+        # GRPO over each group's valid episodes (their final steps), computed independently
+        expected = expected_advantages([s["score"] for s in finals], invalid, [s["uid"] for s in finals], norm=True)
+        for (session, steps), want, bad in zip(episodes.items(), expected, invalid, strict=True):
+            for sample in steps:
+                assert sample["advantage"] == pytest.approx(want, abs=1e-4), (session, sample)
+                assert bool(sample["env_invalid"]) is bad and sample["score"] == steps[-1]["score"]
+                if bad:
+                    assert sample["advantage"] == 0.0 and sample["response_tokens"] == 0
+
+
+def test_stepwise_mode_leaves_no_browser_session_open(stepwise_run) -> None:
+    result, _, left_open, state = stepwise_run
+    _require_ok(result)
+    assert left_open == ()
+    assert state.idle, f"the server still holds {state}"

@@ -2,7 +2,9 @@
 
 Each cell runs episodes of exactly N policy steps (a scripted policy: observe, click, observe ... then finish)
 through the recipe's real ``BrowserToolAgentLoop`` (built as verl's ``AgentLoopWorker`` builds it, on verl's
-prompt builder and tool path) against the fake environment server in its own process, once per mode:
+prompt builder and tool path) against the fake environment server in its own process, once per mode. The fake
+site's two pages are at the real server's caps (50 elements with 80-character names, 2000 characters of text), so
+every observation is as long as a busy real page's:
 
 * one-sample (the default): the whole episode is one sample; every observation stays in it;
 * step-wise (``stepwise.enabled``): a sample per step whose prompt is the task, one line per earlier step (at most
@@ -21,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import queue
 import sys
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from nemo_gym_browser.testing.benchmarking import LoopFactory, fake_environment_process, header
+from nemo_gym_browser.testing.benchmarking import LoopFactory, header
 
 EXAMPLES = """\
 examples:
@@ -43,6 +48,56 @@ ABOUT = {"url_contains": "about.html"}
 # Room for the longest one-sample episode: nothing may be cut, or the comparison would flatter it.
 RESPONSE_LENGTH = 262144
 PROMPT_LENGTH = 8192
+ELEMENTS, NAME_CHARS, TEXT_CHARS = 50, 80, 2000  # nemo-gym 0.7.0's observation caps
+SERVER_START_TIMEOUT_S = 60.0
+
+
+def busy_site():  # the fake server's Site: index and about pages at the observation caps, linking to each other
+    from nemo_gym_browser.testing import fake_environment as fe
+
+    base = fe.BUNDLED_ROOT + "site/"
+    filler = [f"Item {i}: " + ("a detailed product or article name " * 3) for i in range(ELEMENTS - 2)]
+    items = tuple(fe.link(name[:NAME_CHARS], f"item{i}.html") for i, name in enumerate(filler))
+    elements = (fe.link("About", "about.html"), fe.link("Home", "index.html"), *items)
+    body = ("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 40)[: TEXT_CHARS - 40]
+    return fe.Site(
+        {
+            base + "index.html": fe.Page(title="Home", text="Home\n" + body, elements=elements),
+            base + "about.html": fe.Page(title="About", text="Secret code: ALPHA-42\n" + body, elements=elements),
+        }
+    )
+
+
+def _serve(ports, stop) -> None:  # child process: the fake server on the busy site until told to stop
+    from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+
+    async def serve() -> None:
+        async with FakeEnvironmentServer(busy_site()) as server:
+            ports.put(server.port)
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+
+    asyncio.run(serve())
+
+
+@contextmanager
+def busy_server() -> Iterator[str]:
+    """The fake server in its own process (its allocations stay out of the measured heap); yields its URL."""
+    context = multiprocessing.get_context("spawn")
+    ports, stop = context.Queue(), context.Event()
+    child = context.Process(target=_serve, args=(ports, stop), daemon=True)
+    child.start()
+    try:
+        try:
+            port = ports.get(timeout=SERVER_START_TIMEOUT_S)
+        except queue.Empty:
+            raise RuntimeError("the fake environment process did not start") from None
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        child.join(10)
+        if child.is_alive():
+            child.terminate()
+            child.join(10)
 
 
 @dataclass(frozen=True)
@@ -172,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tracemalloc.start()
     try:
-        with fake_environment_process(latency_s=0.0) as url:
+        with busy_server() as url:
             cells = asyncio.run(measure(url, lengths, args.episodes, stepwise))
     finally:
         tracemalloc.stop()

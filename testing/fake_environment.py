@@ -84,7 +84,6 @@ import hmac
 import json
 import logging
 import re
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -94,6 +93,8 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError, field_validator
+
+from .background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
@@ -1423,8 +1424,7 @@ class ThreadedFakeEnvironment:
 
     def __init__(self, server: FakeEnvironmentServer) -> None:
         self.server = server
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop: BackgroundLoop | None = None
 
     @property
     def url(self) -> str:
@@ -1439,12 +1439,10 @@ class ThreadedFakeEnvironment:
 
     def open(self) -> None:
         """Start the thread and the server in it. Idempotent."""
-        if self._thread is not None:
+        if self._loop is not None:
             return
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name="fake-environment", daemon=True)
-        self._thread.start()
+        self._loop = BackgroundLoop("fake-environment")
+        self._loop.open()
         self.run(self.server.start())
 
     def run(self, coro: Coroutine[Any, Any, _T], *, timeout_s: float = _TIMEOUT_S) -> _T:
@@ -1452,7 +1450,7 @@ class ThreadedFakeEnvironment:
         if self._loop is None:
             coro.close()
             raise RuntimeError("the fake environment thread is not running")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+        return self._loop.run(coro, timeout_s=timeout_s)
 
     def stop_server(self, *, lose_state: bool = False) -> None:
         self.run(self.server.stop(lose_state=lose_state))
@@ -1465,13 +1463,10 @@ class ThreadedFakeEnvironment:
 
     def close(self) -> None:
         """Stop the server and the thread. Idempotent."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+        loop, self._loop = self._loop, None
+        if loop is None:
             return
         try:
-            self.run(self.server.stop())
+            loop.run(self.server.stop(), timeout_s=self._TIMEOUT_S)
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=self._TIMEOUT_S)
             loop.close()
-            self._loop = self._thread = None

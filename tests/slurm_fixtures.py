@@ -204,3 +204,64 @@ def leftover_processes(job_id: str, log: str) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class FinishedJob:
+    job_id: str
+    log: str
+    seconds: float
+
+
+def sbatch_wait(
+    slurm: LocalSlurm, script: Path, args: list[str], *, config_env: Path, run_id: str, workdir: Path, timeout_s: float
+) -> FinishedJob:
+    """``sbatch --wait`` the script on one node without GPUs, from ``workdir``; fails unless it COMPLETED with 0."""
+    job_log = workdir / "job.out"
+    started = time.monotonic()
+    submitted = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            "--nodes=1",
+            "--gpus-per-node=0",
+            "--time=30",
+            f"--output={job_log}",
+            str(script),
+            *args,
+        ],
+        env={**slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
+        cwd=workdir,  # not the recipe folder: the script must find it by itself
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    seconds = time.monotonic() - started
+    log = job_log.read_text() if job_log.exists() else ""
+    assert submitted.returncode == 0, (
+        f"sbatch exit {submitted.returncode}\nstdout: {submitted.stdout}\nstderr: {submitted.stderr}\n"
+        f"job log:\n{log[-8000:]}"
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    state = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], env=slurm.env, capture_output=True, text=True, timeout=30
+    ).stdout
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
+    return FinishedJob(job_id, log, seconds)
+
+
+def assert_in_order(log: str, expected: list[str]) -> None:
+    """Every expected line is in the job's log, in this order."""
+    positions = [log.find(line) for line in expected]
+    assert all(position >= 0 for position in positions), [e for e, p in zip(expected, positions, strict=True) if p < 0]
+    assert positions == sorted(positions), "the steps ran out of order"
+
+
+def assert_nothing_left(job: FinishedJob, ports: list[int]) -> None:
+    """No process carries the job's id or the run's mark, and nothing listens on the run's ports any more."""
+    left = leftover_processes(job.job_id, job.log)
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"

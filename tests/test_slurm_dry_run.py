@@ -20,8 +20,11 @@ from slurm_fixtures import (
     DRY_RUN_TIMEOUT_S,
     PORT_SEARCH_START,
     LocalSlurm,
+    assert_in_order,
+    assert_nothing_left,
     free_ports,
     leftover_processes,
+    sbatch_wait,
     wait_for,
 )
 
@@ -73,39 +76,17 @@ def test_sbatch_dry_run_brings_everything_up_on_loopback_checks_it_and_leaves_no
 ) -> None:
     env_port, ray_port, config_env = write_test_config(recipe_inputs, tmp_path)
     run_id = f"slurm-test-{os.getpid()}-{int(time.time())}"
-    job_log = tmp_path / "job.out"
-    started = time.monotonic()
-    submitted = subprocess.run(
-        [
-            "sbatch",
-            "--wait",
-            "--parsable",
-            "--nodes=1",
-            "--gpus-per-node=0",  # the header asks for 8; a dry run needs none
-            "--time=15",
-            f"--output={job_log}",
-            str(SCRIPT),
-            "--dry-run",
-        ],
-        env={**local_slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
-        cwd=tmp_path,  # not the recipe folder: the script must find it by itself
-        capture_output=True,
-        text=True,
-        timeout=DRY_RUN_TIMEOUT_S,
+    job = sbatch_wait(
+        local_slurm,
+        SCRIPT,
+        ["--dry-run"],
+        config_env=config_env,
+        run_id=run_id,
+        workdir=tmp_path,
+        timeout_s=DRY_RUN_TIMEOUT_S,
     )
-    dry_run_s = time.monotonic() - started
-    log = job_log.read_text() if job_log.exists() else ""
-    assert submitted.returncode == 0, (
-        f"sbatch exit {submitted.returncode}\nstdout: {submitted.stdout}\nstderr: {submitted.stderr}\n"
-        f"job log:\n{log[-6000:]}"
-    )
-    job_id = submitted.stdout.strip().split(";")[0]
-    print(f"local Slurm up in {local_slurm.setup_s:.1f} s; sbatch --wait --dry-run took {dry_run_s:.1f} s")
-
-    state = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id], env=local_slurm.env, capture_output=True, text=True, timeout=30
-    ).stdout
-    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
+    log = job.log
+    print(f"local Slurm up in {local_slurm.setup_s:.1f} s; sbatch --wait --dry-run took {job.seconds:.1f} s")
 
     expected = [
         f"run {run_id}: mode dry-run, 1 node(s) (localhost), recipe {REPO}",
@@ -124,18 +105,12 @@ def test_sbatch_dry_run_brings_everything_up_on_loopback_checks_it_and_leaves_no
         f"cleanup: done; no process of run {run_id} is left on localhost",
     ]
     assert "cleanup: also stopping" not in log and "cleanup: killing" not in log  # each process stopped in order
-    positions = [log.find(line) for line in expected]
-    assert all(position >= 0 for position in positions), [e for e, p in zip(expected, positions, strict=True) if p < 0]
-    assert positions == sorted(positions), "the steps ran out of order"
+    assert_in_order(log, expected)
     smoke_log = next((tmp_path / "logs").glob(f"{run_id}/smoke-localhost.log")).read_text()
     assert f"== smoke http://127.0.0.1:{env_port}" in smoke_log
 
     # Nothing the job started outlives it: no process carries the job's id or the run's process mark.
-    left = leftover_processes(job_id, log)
-    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
-    for port in (env_port, ray_port):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"
+    assert_nothing_left(job, [env_port, ray_port])
 
 
 def test_scancel_during_the_dry_run_stops_every_process_the_job_started(

@@ -10,13 +10,11 @@ vLLM), the model is the warm-started tiny policy, the tasks are the Corner Shop'
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from slurm_fixtures import PORT_SEARCH_START, LocalSlurm, free_ports, leftover_processes
+from slurm_fixtures import PORT_SEARCH_START, LocalSlurm, assert_in_order, assert_nothing_left, free_ports, sbatch_wait
 
 from nemo_gym_browser.testing import cpu_backend
 from nemo_gym_browser.testing.training_run import read_step_metrics
@@ -84,56 +82,33 @@ def test_sbatch_trains_two_real_steps_with_the_recipe_and_leaves_nothing_running
 ) -> None:
     config_env, env_port, ray_port = training_config(tmp_path, tiny_policy, shop_rows)
     run_id = f"slurm-train-{os.getpid()}-{int(time.time())}"
-    job_log = tmp_path / "job.out"
-    started = time.monotonic()
-    submitted = subprocess.run(
+    job = sbatch_wait(
+        local_slurm,
+        SCRIPT,
+        cpu_job_overrides(),
+        config_env=config_env,
+        run_id=run_id,
+        workdir=tmp_path,
+        timeout_s=JOB_TIMEOUT_S,
+    )
+    print(f"sbatch --wait submit_webvoyager.sh (2 CPU training steps) took {job.seconds:.0f} s")
+    assert_in_order(
+        job.log,
         [
-            "sbatch",
-            "--wait",
-            "--parsable",
-            "--nodes=1",
-            "--gpus-per-node=0",  # the CPU backend: the header's 8 GPUs are not asked for
-            "--time=30",
-            f"--output={job_log}",
-            str(SCRIPT),
-            *cpu_job_overrides(),
+            f"run {run_id}: mode train, 1 node(s) (localhost)",
+            "smoke episodes walked and verified on 1 server(s) x 1 node(s)",
+            f"Ray head up at 127.0.0.1:{ray_port} (loopback)",
+            "settings checked inside Ray workers on every node",
+            "WARNING: VERL_PLATFORM=cpu: training on the CPU test backend",
+            "training: ",
+            f"cleanup: done; no process of run {run_id} is left on localhost",
         ],
-        env={**local_slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT_S,
     )
-    job_s = time.monotonic() - started
-    log = job_log.read_text() if job_log.exists() else ""
-    assert submitted.returncode == 0, (
-        f"sbatch exit {submitted.returncode}\nstdout: {submitted.stdout}\nstderr: {submitted.stderr}\n"
-        f"job log:\n{log[-8000:]}"
-    )
-    job_id = submitted.stdout.strip().split(";")[0]
-    print(f"sbatch --wait submit_webvoyager.sh (2 CPU training steps) took {job_s:.0f} s")
-    state = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id], env=local_slurm.env, capture_output=True, text=True, timeout=30
-    ).stdout
-    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
-
-    expected = [
-        f"run {run_id}: mode train, 1 node(s) (localhost)",
-        "smoke episodes walked and verified on 1 server(s) x 1 node(s)",
-        f"Ray head up at 127.0.0.1:{ray_port} (loopback)",
-        "settings checked inside Ray workers on every node",
-        "WARNING: VERL_PLATFORM=cpu: training on the CPU test backend",
-        "training: ",
-        f"cleanup: done; no process of run {run_id} is left on localhost",
-    ]
-    positions = [log.find(line) for line in expected]
-    assert all(p >= 0 for p in positions), [e for e, p in zip(expected, positions, strict=True) if p < 0]
-    assert positions == sorted(positions), "the steps ran out of order"
-    assert "dry run passed" not in log
+    assert "dry run passed" not in job.log
 
     # verl's own metrics: two real steps, rollouts scored by the environment's verify, the recipe's flags counted
     steps = read_step_metrics(tmp_path / "metrics.jsonl")
-    assert sorted(steps) == [1, 2], log[-4000:]
+    assert sorted(steps) == [1, 2], job.log[-4000:]
     for metrics in steps.values():
         assert metrics["env/samples"] == 4  # TRAIN_BATCH_SIZE x ROLLOUT_N
         assert metrics["env/reward_source/verify"] == 1.0
@@ -141,8 +116,4 @@ def test_sbatch_trains_two_real_steps_with_the_recipe_and_leaves_nothing_running
     checkpoints = tmp_path / "checkpoints" / "nemo_gym_browser" / "slurm_cpu"
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
 
-    left = leftover_processes(job_id, log)
-    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
-    for port in (env_port, ray_port):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"
+    assert_nothing_left(job, [env_port, ray_port])

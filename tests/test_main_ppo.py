@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,27 +56,42 @@ def data(workdir: Path) -> tuple[Path, Path, int]:
     return train, train, len(records)
 
 
-@pytest.fixture(scope="module")
-def first_run(real_environment, shop_site, tiny_policy: Path, workdir: Path, data: tuple[Path, Path, int]):
-    """Two training steps, a checkpoint at step 2; the proxy's and the server's view of the sessions afterwards."""
+@dataclass(frozen=True)
+class PlannedRun:
+    """A run under ``PLAN``, and the proxy's and the server's view of the sessions after it."""
+
+    spec: tr.RunSpec
+    result: tr.RunResult
+    rows: int
+    left_open: tuple[str, ...]
+    injected: dict[str, int]
+    state: object  # launch_environment.BrowserState
+
+
+def train_under_the_plan(environment, policy: Path, workdir: Path, data, name: str, **changes) -> PlannedRun:
     train, val, rows = data
-    with tr.InjectedFaults(real_environment.url, tr.planned_faults(PLAN)) as faults:
+    with tr.InjectedFaults(environment.url, tr.planned_faults(PLAN)) as faults:
         spec = tr.RunSpec(
-            model_path=tiny_policy,
+            model_path=policy,
             train_file=train,
             val_file=val,
             server_urls=(faults.url,),
-            output_dir=workdir / "run",
+            output_dir=workdir / name,
             steps=2,
             prompts_per_step=rows,
             group_size=GROUP_SIZE,
-            save_freq=2,
+            **changes,
         )
         result = tr.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
-        left_open = faults.open_session_ids
-        injected = faults.counts()
-    state = real_environment.browser_state()
-    return spec, result, rows, left_open, injected, state
+        left_open, injected = faults.open_session_ids, faults.counts()
+    return PlannedRun(spec, result, rows, left_open, injected, environment.browser_state())
+
+
+@pytest.fixture(scope="module")
+def first_run(real_environment, shop_site, tiny_policy: Path, workdir: Path, data: tuple[Path, Path, int]):
+    """Two training steps, a checkpoint at step 2."""
+    run = train_under_the_plan(real_environment, tiny_policy, workdir, data, "run", save_freq=2)
+    return run.spec, run.result, run.rows, run.left_open, run.injected, run.state
 
 
 def _require_ok(result: tr.RunResult) -> None:
@@ -169,23 +185,10 @@ STEPWISE_OVERRIDES = (
 @pytest.fixture(scope="module")
 def stepwise_run(real_environment, shop_site, tiny_policy: Path, workdir: Path, data: tuple[Path, Path, int]):
     """Two training steps in step-wise mode under the same fault plan as ``first_run``; no checkpoint."""
-    train, val, rows = data
-    with tr.InjectedFaults(real_environment.url, tr.planned_faults(PLAN)) as faults:
-        spec = tr.RunSpec(
-            model_path=tiny_policy,
-            train_file=train,
-            val_file=val,
-            server_urls=(faults.url,),
-            output_dir=workdir / "stepwise",
-            steps=2,
-            prompts_per_step=rows,
-            group_size=GROUP_SIZE,
-            extra_overrides=STEPWISE_OVERRIDES,
-        )
-        result = tr.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
-        left_open = faults.open_session_ids
-    state = real_environment.browser_state()
-    return result, rows, left_open, state
+    run = train_under_the_plan(
+        real_environment, tiny_policy, workdir, data, "stepwise", extra_overrides=STEPWISE_OVERRIDES
+    )
+    return run.result, run.rows, run.left_open, run.state
 
 
 def _sessions(samples: list[dict]) -> dict[str, list[dict]]:

@@ -1037,7 +1037,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 spec=spec,
                 run_kwargs=kwargs,
                 episode=outcome.episode,
-                output=output,  # the (final) sample, which carries the episode's flags and reward
+                output=outputs[-1],  # the final sample (step-wise: the last step), with the episode's flags
                 tokenizer=self.tokenizer,
             )
         return outputs if stepwise else outputs[0]

@@ -17,6 +17,7 @@ import pytest
 
 from nemo_gym_browser import trajectories as tj
 from nemo_gym_browser.testing import scripted_policy as sp
+from nemo_gym_browser.testing import stepwise_policy as swp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 from nemo_gym_browser.testing.fake_environment import Fault
 
@@ -142,6 +143,32 @@ def test_worker_processes_write_separate_files_and_no_line_is_torn(tmp_path):
     for path in files:
         ids = [json.loads(line)["episode_id"] for line in path.read_text().splitlines()]
         assert len(ids) == 50 and len({i.split("-")[0] for i in ids}) == 1
+
+
+async def test_a_stepwise_episode_is_one_record_with_every_step_and_the_final_samples_turn(rollout, tmp_path):
+    stepwise = {"enabled": True, "history_observations": 1, "history_steps": 10}
+
+    script = swp.steps(sp.observe(), sp.click_matching("About"), sp.finish("ALPHA-42"))  # reads the step history
+
+    outputs = await rollout(script, stepwise=stepwise, trajectory_dir=str(tmp_path), extra=V1_KWARGS)
+
+    assert isinstance(outputs, list) and len(outputs) == 3  # one sample per policy step
+    (record,) = records_in(tmp_path)
+    assert [step["action"] for step in record["steps"]] == ["observe", "click", "finish"]
+    assert record["reward"] == 1.0 and "ALPHA-42" in record["last_model_turn"]
+
+
+def test_a_stepwise_episodes_recipe_advantage_is_its_final_samples(tmp_path):
+    samples = [
+        {"key": f"u1_0_{index}", "uid": "u1", "env_invalid": False, "score": 1.0, "advantage": 0.1 * index}
+        for index in (2, 10, 9)
+    ]
+    log = tmp_path / "advantages.jsonl"
+    log.write_text(json.dumps({"step": 1, "samples": samples}) + "\n")
+
+    (entry,) = tj.load_advantage_log(log).items()
+
+    assert entry[0] == "u1_0" and entry[1].advantage == pytest.approx(1.0) and entry[1].samples == 3
 
 
 async def test_nothing_is_written_when_trajectory_dir_is_null(rollout, tmp_path, monkeypatch):

@@ -164,6 +164,10 @@ LEGACY_STEPWISE_MESSAGE = (
     "accepts (trainer.use_v1=true); the legacy trainer needs exactly one sample per prompt. Use the V1 trainer or "
     "set stepwise.enabled=false"
 )
+UNBOUNDED_STEPWISE_MESSAGE = (
+    "step-wise mode (stepwise.enabled: true) needs actor_rollout_ref.rollout.multi_turn.max_assistant_turns: each "
+    "step's prompt is bounded, so the response length cannot end an episode and only the wall-clock deadline would"
+)
 # The first line of a step-wise prompt's history message (test policies read the step number from it).
 STEP_HISTORY_HEADER = "Progress so far: {steps} step(s) taken in this episode."
 NO_JUDGE_REASON = (
@@ -921,6 +925,9 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             )
         if self.settings.stepwise.enabled and not bool(self.config.trainer.get("use_v1", False)):
             raise ValueError(LEGACY_STEPWISE_MESSAGE)
+        if self.settings.stepwise.enabled and not self.max_assistant_turns:
+            # a step-wise prompt stays bounded, so the response length never ends an episode: the turn limit must
+            raise ValueError(UNBOUNDED_STEPWISE_MESSAGE)
         self._judge = BinaryJudge.shared(self.settings.judge) if self.settings.judge is not None else None
         if not track_rollout_requests(self.server_manager):
             _warn_once(

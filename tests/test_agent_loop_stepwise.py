@@ -27,6 +27,12 @@ FAST_ENV = {"call_timeout_s": 2.0, "seed_timeout_s": 2.0, "verify_timeout_s": 2.
 WALK = swp.steps(sp.observe(), sp.click_matching("About"), sp.finish("ALPHA-42"))
 
 
+@pytest.fixture(scope="module")
+def trainer_config():
+    """verl's config with a turn limit, as the recipe's always has: step-wise mode refuses to run without one."""
+    return compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=40"])
+
+
 @pytest.fixture
 def run(server, tokenizer, tools, trainer_config):
     async def run(script=WALK, *, stepwise=STEPWISE, row=None, config=None, **settings):
@@ -176,7 +182,7 @@ async def test_stepwise_mode_is_refused_under_the_legacy_trainer(run, tokenizer,
         sp.ScriptedPolicy(tokenizer, WALK),
         tokenizer=tokenizer,
         tools=tools,
-        trainer_config=compose_trainer_config(),
+        trainer_config=compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=8"]),
         environment={"server_urls": [server.url]},
         stepwise=STEPWISE,
     )
@@ -184,6 +190,24 @@ async def test_stepwise_mode_is_refused_under_the_legacy_trainer(run, tokenizer,
         await loop.run(SAMPLING, **make_row(task="Open the About page", verifier_metadata=ABOUT))
     assert str(raised.value) == LEGACY_STEPWISE_MESSAGE
     assert server.session_ids == ()  # refused before any session opened
+
+
+def test_stepwise_mode_without_a_turn_limit_is_refused_because_nothing_else_would_end_an_episode(
+    tokenizer, tools, server
+):
+    unbounded = compose_trainer_config()  # verl's default: no max_assistant_turns
+    assert unbounded.actor_rollout_ref.rollout.multi_turn.max_assistant_turns is None
+    with pytest.raises(
+        InstantiationException, match=r"needs actor_rollout_ref\.rollout\.multi_turn\.max_assistant_turns"
+    ):
+        build_loop(
+            sp.ScriptedPolicy(tokenizer, WALK),
+            tokenizer=tokenizer,
+            tools=tools,
+            trainer_config=unbounded,
+            environment={"server_urls": [server.url]},
+            stepwise=STEPWISE,
+        )
 
 
 def test_stepwise_settings_are_read_from_the_loop_config_and_checked():

@@ -295,6 +295,9 @@ def run_main_ppo(
         reader = threading.Thread(target=_copy_lines, args=(process.stdout, log, on_line), daemon=True)
         reader.start()
         memory = _MemorySampler(process.pid)
+        # A SIGTERM to this process must stop the run's process group too (Ray's processes are in it), not orphan it.
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main_thread else None
         try:
             returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -305,6 +308,8 @@ def run_main_ppo(
             _stop_group(process)
             raise
         finally:
+            if on_main_thread:
+                signal.signal(signal.SIGTERM, previous)
             memory.stop()
             reader.join(timeout=10)
     return RunResult(
@@ -315,6 +320,10 @@ def run_main_ppo(
         read_advantages(spec.advantages_path),
         spec.log_path,
     )
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 class _MemorySampler:

@@ -8,7 +8,10 @@ proxy, the process-group handling.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,3 +176,35 @@ def test_a_run_past_its_timeout_is_stopped_with_its_whole_process_group(tmp_path
     child = int(marker.read_text())
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
     assert "started" in run.log_path.read_text()
+
+
+def test_a_sigterm_to_the_driver_stops_the_runs_whole_process_group(tmp_path: Path) -> None:
+    """A driver stopped from outside (a cancelled job, a Ctrl-C in another shell) leaves no trainer behind."""
+    marker = tmp_path / "child.pid"
+    driver = f"""
+import sys
+from pathlib import Path
+from nemo_gym_browser.testing import training_run as tr
+
+script = (
+    "import subprocess, sys, time; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "open({str(marker)!r}, 'w').write(str(child.pid)); time.sleep(600)"
+)
+tr.main_ppo_command = lambda spec, python=sys.executable: [python, "-c", script]
+spec = tr.RunSpec(model_path=Path("m"), train_file=Path("t"), val_file=Path("v"),
+                  server_urls=("http://127.0.0.1:1",), output_dir=Path({str(tmp_path / "run")!r}))
+tr.run_main_ppo(spec, timeout_s=600)
+"""
+    process = subprocess.Popen([sys.executable, "-c", driver])
+    deadline = time.monotonic() + 60
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline and process.poll() is None, "the driver did not start its run"
+        time.sleep(0.2)
+    child = int(marker.read_text())
+    process.terminate()
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the run's process outlived its driver"
+        time.sleep(0.2)

@@ -333,6 +333,16 @@ def task_records(split: str | None = None, origin: str = SHOP_ORIGIN) -> list[di
 _ELEMENT = re.compile(r"^\s*\[(\d+)\]\s*([^:]*):\s*(.*)$")
 
 
+def call(action: str, **arguments: Any) -> str:
+    """One call of the recipe's ``browser`` tool as the shop's demonstrations write it.
+
+    The arguments are compact JSON, and a price is answered with the space it has on the page (the grader strips
+    the answer), so that what a demonstration copies from the context is the very token it finds there: the id
+    ``3`` of ``[3] a: Mango``, the word ``mango`` of ``for "mango"``, the ``" 4"`` of ``Mango: 4 coins.``.
+    """
+    return sp.tool_call("browser", json.dumps({"action": action, **arguments}, separators=(",", ":")))
+
+
 def elements(observation: str | None) -> list[tuple[int, str, str]]:
     """``(id, tag, name)`` of every element line of an observation."""
     found = []
@@ -391,7 +401,7 @@ def _click_named(named: str, chooser: Chooser) -> sp.Step:
         else:  # off the named path after an earlier wrong pick: any plausible element, as a guess would be
             choice = chooser.rng.choice(plausible) if plausible else named
         ids = [eid for eid, tag, name in listed if tag == "a" and name == choice]
-        return sp.browser("click", element_id=ids[0] if ids else MISSING_ELEMENT_ID)
+        return call("click", element_id=ids[0] if ids else MISSING_ELEMENT_ID)
 
     return step
 
@@ -400,18 +410,19 @@ def _type_query(query: str, chooser: Chooser, others: Sequence[str]) -> sp.Step:
     def step(view: sp.PolicyView) -> str:
         inputs = [eid for eid, tag, _ in elements(view.last_observation) if tag == "input"]
         text = chooser.pick(query, [query, *others])
-        return sp.browser("type", element_id=inputs[0] if inputs else MISSING_ELEMENT_ID, text=text)
+        return call("type", element_id=inputs[0] if inputs else MISSING_ELEMENT_ID, text=text)
 
     return step
 
 
 def _click_search(view: sp.PolicyView) -> str:
     ids = [eid for eid, tag, name in elements(view.last_observation) if tag == "button" and name == _SEARCH]
-    return sp.browser("click", element_id=ids[0] if ids else MISSING_ELEMENT_ID)
+    return call("click", element_id=ids[0] if ids else MISSING_ELEMENT_ID)
 
 
 def _finish_with_price(view: sp.PolicyView) -> str:
-    return sp.browser("finish", answer=read_price(view.last_observation) or DONE_ANSWER)
+    price = read_price(view.last_observation)
+    return call("finish", answer=f" {price}" if price else DONE_ANSWER)
 
 
 def script_for(record: Mapping[str, Any], chooser: Chooser | None = None, *, wrong_answer: bool = False) -> sp.Script:
@@ -419,19 +430,19 @@ def script_for(record: Mapping[str, Any], chooser: Chooser | None = None, *, wro
     named element; ``wrong_answer`` finishes a ``price`` task with a price that is not the item's."""
     chooser = chooser if chooser is not None else Chooser()
     kind, item = record["kind"], next(entry for entry in items() if entry.name == record["item"])
-    finish: sp.Step = sp.finish(DONE_ANSWER)
+    finish: sp.Step = sp.say(call("finish", answer=DONE_ANSWER))
     if kind == "open":
         plan = [_click_named(item.name, chooser)]
     elif kind in ("browse", "price"):
         plan = [_click_named(item.section, chooser), _click_named(item.name, chooser)]
         if kind == "price":
-            finish = sp.finish(str(item.price % 9 + 1)) if wrong_answer else _finish_with_price
+            finish = sp.say(call("finish", answer=f" {item.price % 9 + 1}")) if wrong_answer else _finish_with_price
     elif kind == "search":
         others = sorted(entry.slug for entry in items() if entry.name not in HELD_BACK_ITEMS and entry != item)
         plan = [_type_query(item.slug, chooser, others), _click_search]
     else:
         raise ValueError(f"unknown task kind {kind!r}")
-    return sp.steps(sp.observe(), *plan, finish)
+    return sp.steps(sp.say(call("observe")), *plan, finish)
 
 
 def _jsonl(records: Sequence[Mapping[str, Any]]) -> str:

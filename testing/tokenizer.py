@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
@@ -37,6 +38,12 @@ TOOL_RESPONSE_START = "<tool_response>"
 TOOL_RESPONSE_END = "</tool_response>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 ADDED_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+
+# transformers' Qwen2 pre-tokenizer split: digits one by one, words with one leading non-letter, punctuation runs.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # Small enough to train instantly, large enough that observations are not one token per byte.
 VOCAB_SIZE = 2048
@@ -120,32 +127,46 @@ _CORPUS_LINES = (
 )
 
 
-def _corpus() -> list[str]:
-    lines = list(_CORPUS_LINES)
+def _corpus(extra: tuple[str, ...] = ()) -> list[str]:
+    lines = [*_CORPUS_LINES, *extra]
     # Repeat so that the frequent pieces of tool traffic win merges over one-off words.
     return lines * 8
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(extra_corpus: tuple[str, ...] = (), vocab_size: int = VOCAB_SIZE) -> str:
     tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Exactly the normalizer and pre-tokenizer transformers' Qwen2 tokenizer rebuilds when AutoTokenizer loads a
+    # folder whose config says qwen2 (as verl does): trained with any other, the tokenizer a model was trained with
+    # and the one it is served with would split the same text differently (e.g. "127" vs "1","2","7").
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=list(SPECIAL_TOKENS),
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus(extra_corpus), trainer=trainer)
     return tokenizer.to_str()
 
 
-def build_test_tokenizer() -> PreTrainedTokenizerFast:
-    """A fresh tokenizer (cheap: the trained vocabulary is cached per process, the object is not shared)."""
-    backend = Tokenizer.from_str(_tokenizer_json())
+def build_test_tokenizer(extra_corpus: Sequence[str] = (), vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """A fresh tokenizer (cheap: the trained vocabulary is cached per process, the object is not shared).
+
+    ``extra_corpus`` (more lines to train the vocabulary on, e.g. the pages and prompts of one task suite, so that
+    its words are single tokens) and ``vocab_size`` (an upper bound) change the vocabulary; the defaults give the
+    one every test uses.
+    """
+    backend = Tokenizer.from_str(_tokenizer_json(tuple(extra_corpus), vocab_size))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,

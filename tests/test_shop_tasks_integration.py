@@ -1,0 +1,99 @@
+"""The Corner Shop on the real nemo-gym 0.7.0 server with Chromium: the fake server's copy of the site shows every
+page exactly as Chromium does, and one task of each kind is solved through the recipe's loop with reward 1.0.
+
+The shop is served by :func:`nemo_gym_browser.testing.shop_tasks.serve` on the fixed port its task files name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_gym_browser.browser_agent_loop import close_shared_clients
+from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.testing import scripted_policy as sp
+from nemo_gym_browser.testing import shop_tasks as st
+from nemo_gym_browser.testing.agent_loop_harness import build_loop
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.tiny_policy import load_samples
+
+pytestmark = pytest.mark.integration
+
+ENVIRONMENT = {"call_timeout_s": 30.0, "seed_timeout_s": 60.0, "verify_timeout_s": 30.0, "close_timeout_s": 15.0}
+
+
+@pytest.fixture(scope="module")
+def shop():
+    try:
+        with st.serve() as site:
+            yield site
+    except OSError as error:  # the task files name this port: nothing else may hold it
+        pytest.fail(f"cannot serve the shop on {st.SHOP_ORIGIN}: {error}", pytrace=False)
+
+
+def named(observation: str, name: str, tag: str = "a") -> int:
+    return next(
+        eid for eid, element_tag, element_name in st.elements(observation) if (element_tag, element_name) == (tag, name)
+    )
+
+
+async def tour(server_url: str) -> list[str]:
+    """Every page of the shop by clicks in one session, then a search: the observation after each action."""
+    seen = []
+    config = EnvironmentConfig(server_urls=(server_url,), **ENVIRONMENT)
+    async with EnvironmentClient(config) as client:
+        home = st.page_url("index.html")
+        async with client.session(rollout_id="tour", attempt=0, task_id="tour", initial_url=home) as session:
+            page = (await session.observe()).observation
+            seen.append(page)
+            for section, entries in st.CATEGORIES.items():
+                page = (await session.click(named(page, section))).observation
+                seen.append(page)
+                for name, _ in entries:
+                    page = (await session.click(named(page, name))).observation
+                    seen.append(page)
+                    page = (await session.click(named(page, f"Back to {section}"))).observation
+                page = (await session.click(named(page, "Home"))).observation
+            box = next(eid for eid, tag, _ in st.elements(page) if tag == "input")
+            page = (await session.type(box, "Mango")).observation
+            page = (await session.click(named(page, "Search", "button"))).observation
+            seen.append(page)
+    return seen
+
+
+async def test_the_fake_shop_shows_every_page_as_chromium_renders_the_real_one(real_environment, shop):
+    async with FakeEnvironmentServer(site=st.fake_site()) as fake:
+        expected = await tour(fake.url)
+    actual = await tour(real_environment.url)
+    assert len(actual) == 1 + len(st.CATEGORIES) + len(st.items()) + 1
+    assert actual == expected
+    assert "Results for: Mango" in actual[-1]
+
+
+async def test_one_task_of_each_kind_is_solved_on_the_real_server_and_a_wrong_price_scores_zero(
+    real_environment, shop, tokenizer, tools, trainer_config, tmp_path
+):
+    records = {record["id"]: record for record in st.task_records("heldback")}
+    samples = load_samples(st.HELD_BACK_FILE, tmp_path)
+    chosen = {}
+    for sample in samples:
+        kind = records[sample["extra_info"]["task_id"]]["kind"]
+        chosen.setdefault(kind, sample)
+    rewards = {}
+    try:
+        for kind, sample in chosen.items():
+            record = records[sample["extra_info"]["task_id"]]
+            for wrong in (False, True) if kind == "price" else (False,):
+                loop = build_loop(
+                    sp.ScriptedPolicy(tokenizer, st.script_for(record, wrong_answer=wrong)),
+                    tokenizer=tokenizer,
+                    tools=tools,
+                    trainer_config=trainer_config,
+                    environment={"server_urls": [real_environment.url], **ENVIRONMENT},
+                    resample_backoff_s=0.2,
+                )
+                output = await loop.run({}, **sample)
+                assert output.extra_fields["env_invalid"] is False, output.extra_fields
+                rewards[(kind, wrong)] = output.reward_score
+    finally:
+        await close_shared_clients()
+    assert rewards == {**{(kind, False): 1.0 for kind in st.KINDS}, ("price", True): 0.0}

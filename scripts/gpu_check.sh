@@ -154,7 +154,7 @@ if ! "$PYTHON" -c 'import flash_attn' 2>/dev/null; then
     overrides+=(actor_rollout_ref.model.use_remove_padding=False)
 fi
 overrides+=("${extra[@]}")
-build=("$PYTHON" -m nemo_gym_browser.testing.tiny_policy --output "$policy" "${POLICY_SHAPE[@]}")
+build=("$PYTHON" -m nemo_gym_browser.testing.tiny_policy build --output "$policy" "${POLICY_SHAPE[@]}")
 train=("$PYTHON" -m nemo_gym_browser.testing.training_run --workdir "$workdir" --rollout vllm --model "$policy"
     --steps "$steps" --fault-rate "$fault_rate")
 for override in "${overrides[@]}"; do train+=(--override "$override"); done

@@ -221,10 +221,11 @@ def test_the_training_run_cli_and_the_policy_builder_know_every_flag_the_script_
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     build, train = printed_commands(tmp_path)
-    for command, cli in ((build, tiny_policy), (train, tr)):
+    assert build[3] == "build"  # the policy builder's subcommand
+    for command, cli, help_args in ((build, tiny_policy, ["build", "--help"]), (train, tr, ["--help"])):
         assert command[2] == cli.__name__
         with pytest.raises(SystemExit) as exited:
-            cli.main(["--help"])
+            cli.main(help_args)
         assert exited.value.code == 0
         shown = capsys.readouterr().out
         for flag in {word for word in command[3:] if word.startswith("--")}:

@@ -16,13 +16,17 @@ What this module owns
       ``AutoModelForCausalLM`` load (``config.json``, weights, tokenizer files, ``warm_start.json`` with the
       measurements).
 
-Leaving room for RL
-    The demonstrations always act in the right format and in the right order (observe, then the kind's actions,
-    then finish), but pick the element the task names only with probability ``correct`` (default 0.4); otherwise
-    they pick uniformly among the plausible elements (the section or item links, or a training item's name to
-    type). A model that learns them acts in format almost always and solves a task only sometimes; RL on the
-    training tasks can then raise the probability of the rule they share (act on the element whose text the task
-    names), which is what carries over to the held-back items.
+Leaving room for RL, and what the warm start does not give
+    The demonstrations always act in the right format and order (observe, the kind's actions, finish), on copies
+    of the shop whose links are listed in a shuffled order, and pick the element the task names with probability
+    ``correct`` (default 0.4), otherwise uniformly among the plausible ones. Measured with the defaults (194,560
+    parameters, 300 steps, about 110 s on 2 shared cores): the policy writes a well-formed browser call in 96-97 %
+    of its sampled turns and 100 % of its greedy ones, but its choices do not depend on the task yet: success at
+    temperature 1 is 12 % on the training tasks and 8 % on the held-back ones, near what uniform picks give. A
+    model this size trained from scratch did not learn to look the named word up in its context (task word to
+    element id, or to the typed text) within 600 steps in any variant tried (up to 630k parameters, 3 layers,
+    learning rates 1e-3 to 1e-2, solver-only demonstrations, prompts without the shared prefix), so RL on these
+    tasks should not be expected to lift the held-back success within a CPU run of a few dozen steps.
 
 Guarantees
     Deterministic for a seed and a thread count: the same seed gives the same demonstrations, the same initial

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -32,28 +31,10 @@ import uuid
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
 from nemo_gym_browser.placement import SessionTicket, make_placement
 from nemo_gym_browser.testing.benchmarking import fake_environment_process, header
+from nemo_gym_browser.testing.private_ray import private_ray
 
 START = "site/index.html"
 MODES = ("process", "ray")
-# Ray replaces a loopback node address with the machine's outward address unless its cluster mode is off.
-LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def start_private_ray() -> None:
-    """A new Ray instance of this process only, on 127.0.0.1 (never a cluster someone else started)."""
-    os.environ[LOOPBACK_ONLY_ENV] = "0"
-    import ray
-    import ray._private.ray_constants as ray_constants
-
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    ray.init(
-        address="local",
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
 
 
 async def lease_seconds(mode: str, url: str, count: int) -> float:
@@ -129,14 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     print(header("placement_overhead: the run-wide session cap's cost per session"))
-    start_private_ray()
-    try:
-        with fake_environment_process(latency_s=0.0) as url:
-            figures = asyncio.run(measure(url, args))
-    finally:
-        import ray
-
-        ray.shutdown()
+    with private_ray(), fake_environment_process(latency_s=0.0) as url:
+        figures = asyncio.run(measure(url, args))
 
     print(f"{'ms per session':<28} {'process':>9} {'ray':>9} {'added':>9}")
     for key, label in (("lease", "lease (acquire + release)"), ("seq", "sequential session"), ("conc", "concurrent")):

@@ -3,52 +3,27 @@ TransferQueue for the tests that run verl's V1 trainer code."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest_plugins = ["integration_fixtures", "slurm_fixtures"]
 
-# Ray replaces a loopback node address with the machine's outward address unless its cluster mode is off.
-LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
 
 @pytest.fixture(scope="module")
 def tq():
-    """A private local Ray instance with TransferQueue on it, kept on 127.0.0.1; one per test module.
-
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is read at import by Ray's own processes; the driver imported Ray
-    already, hence its constant is set too.
-    """
+    """A private local Ray instance with TransferQueue on it, kept on 127.0.0.1; one per test module."""
     import ray
-    import ray._private.ray_constants as ray_constants
     import transfer_queue
     from omegaconf import OmegaConf
 
-    assert not ray.is_initialized()
-    saved = (os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER)
-    os.environ[LOOPBACK_ONLY_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(
-            address="local",  # a new private instance, never a cluster someone else started on this machine
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+    from nemo_gym_browser.testing.private_ray import private_ray
+
+    with private_ray():
         assert ray.util.get_node_ip_address() == "127.0.0.1"
         transfer_queue.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-        yield transfer_queue
-    finally:
-        transfer_queue.close()
-        ray.shutdown()
-        if saved[0] is None:
-            os.environ.pop(LOOPBACK_ONLY_ENV, None)
-        else:
-            os.environ[LOOPBACK_ONLY_ENV] = saved[0]
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        try:
+            yield transfer_queue
+        finally:
+            transfer_queue.close()
 
 
 # ----- the agent-loop tests' shared parts: verl's composed config, the recipe's tools, a tokenizer, a fake server

@@ -12,7 +12,6 @@ scripted policy.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -23,10 +22,10 @@ from verl.workers.rollout.router import get_router_handle
 from nemo_gym_browser.browser_agent_loop import generate_within, track_rollout_requests
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
+from nemo_gym_browser.testing.private_ray import private_ray
 
 SAMPLING = {"temperature": 1.0, "logprobs": False}
 ABOUT = {"url_contains": "about.html"}
-LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @ray.remote
@@ -112,30 +111,9 @@ def verl_client(rollout_stack, trainer_config):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A private Ray instance on 127.0.0.1 for this module (Ray's cluster mode off keeps it on loopback)."""
-    import ray._private.ray_constants as ray_constants
-
-    assert not ray.is_initialized()
-    saved = (os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER)
-    os.environ[LOOPBACK_ONLY_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+    """A private Ray instance on 127.0.0.1 for this module."""
+    with private_ray():
         yield
-    finally:
-        ray.shutdown()
-        if saved[0] is None:
-            os.environ.pop(LOOPBACK_ONLY_ENV, None)
-        else:
-            os.environ[LOOPBACK_ONLY_ENV] = saved[0]
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 
 async def server_log(server, *, until: str | None = None, timeout_s: float = 20.0) -> list[str]:

@@ -444,33 +444,11 @@ NODE_ONLY_KEY_ENV = "NGB_TEST_NODE_JUDGE_KEY"
 def loopback_ray() -> Iterator[None]:
     """A private one-node Ray on 127.0.0.1 whose raylet (and so every worker) has the judge key variable set, while
     this process does not: only a probe that runs inside a worker can send that key."""
-    import ray
-    import ray._private.ray_constants as ray_constants
+    from nemo_gym_browser.testing.private_ray import private_ray
 
-    assert not ray.is_initialized()
-    saved = (os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), ray_constants.ENABLE_RAY_CLUSTER)
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep the node address on loopback
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    os.environ[NODE_ONLY_KEY_ENV] = "node-secret"
-    try:
-        ray.init(
-            address="local",
-            num_cpus=1,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        del os.environ[NODE_ONLY_KEY_ENV]
+    with private_ray(num_cpus=1, worker_env={NODE_ONLY_KEY_ENV: "node-secret"}):
+        assert NODE_ONLY_KEY_ENV not in os.environ
         yield
-    finally:
-        os.environ.pop(NODE_ONLY_KEY_ENV, None)
-        ray.shutdown()
-        if saved[0] is None:
-            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-        else:
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved[0]
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 
 def test_the_judge_is_probed_from_a_ray_worker_pinned_to_every_node_with_the_workers_key(

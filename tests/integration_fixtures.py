@@ -87,8 +87,15 @@ def shop_site() -> Iterator[LocalSite]:
     """The Corner Shop's pages on their fixed loopback port (the task files name it)."""
     from nemo_gym_browser.testing import shop_tasks
 
-    with shop_tasks.serve() as site:
+    site = shop_tasks.serve()
+    try:
+        site.start()
+    except OSError as error:  # the task files name this port: nothing else may hold it
+        pytest.fail(f"cannot serve the shop on {shop_tasks.SHOP_ORIGIN}: {error}", pytrace=False)
+    try:
         yield site
+    finally:
+        site.stop()
 
 
 @pytest.fixture(scope="session")

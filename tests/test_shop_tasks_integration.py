@@ -1,7 +1,8 @@
 """The Corner Shop on the real nemo-gym 0.7.0 server with Chromium: the fake server's copy of the site shows every
 page exactly as Chromium does, and one task of each kind is solved through the recipe's loop with reward 1.0.
 
-The shop is served by :func:`nemo_gym_browser.testing.shop_tasks.serve` on the fixed port its task files name.
+The shop is the session's ``shop_site`` (tests/integration_fixtures.py): one server on the fixed port its task files
+name, shared with every other test that needs it.
 """
 
 from __future__ import annotations
@@ -19,15 +20,6 @@ from nemo_gym_browser.testing.tiny_policy import load_samples
 pytestmark = pytest.mark.integration
 
 ENVIRONMENT = {"call_timeout_s": 30.0, "seed_timeout_s": 60.0, "verify_timeout_s": 30.0, "close_timeout_s": 15.0}
-
-
-@pytest.fixture(scope="module")
-def shop():
-    try:
-        with st.serve() as site:
-            yield site
-    except OSError as error:  # the task files name this port: nothing else may hold it
-        pytest.fail(f"cannot serve the shop on {st.SHOP_ORIGIN}: {error}", pytrace=False)
 
 
 def named(observation: str, name: str, tag: str = "a") -> int:
@@ -60,7 +52,7 @@ async def tour(server_url: str) -> list[str]:
     return seen
 
 
-async def test_the_fake_shop_shows_every_page_as_chromium_renders_the_real_one(real_environment, shop):
+async def test_the_fake_shop_shows_every_page_as_chromium_renders_the_real_one(real_environment, shop_site):
     async with FakeEnvironmentServer(site=st.fake_site()) as fake:
         expected = await tour(fake.url)
     actual = await tour(real_environment.url)
@@ -70,7 +62,7 @@ async def test_the_fake_shop_shows_every_page_as_chromium_renders_the_real_one(r
 
 
 async def test_one_task_of_each_kind_is_solved_on_the_real_server_and_a_wrong_price_scores_zero(
-    real_environment, shop, tokenizer, tools, trainer_config, tmp_path
+    real_environment, shop_site, tokenizer, tools, trainer_config, tmp_path
 ):
     records = {record["id"]: record for record in st.task_records("heldback")}
     samples = load_samples(st.HELD_BACK_FILE, tmp_path)

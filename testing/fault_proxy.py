@@ -11,7 +11,9 @@ misbehaved, without touching the server:
   ``status(503)`` answers a 5xx without forwarding; ``hang(s)`` holds the request (a client that gives up cuts
   it, and it is then never forwarded); ``drop()`` aborts the connection without answering; ``lose_session()``
   forwards the request without its session cookie and strips the cookie the answer sets, so the server serves a
-  session it does not know, as after a restart.
+  session it does not know, as after a restart; ``regrade(r)`` forwards a ``/verify`` and hands the client the
+  server's own answer with its ``reward`` replaced by ``r`` (a planted grade, so a test can fix a group's scores;
+  the server still grades and releases the browser as usual).
 
 Rules see a :class:`ProxiedRequest`: the endpoint and the ``interactive_browser`` session it belongs to (the
 typed ``resources_session_id`` of a seed or close body, otherwise the id carried by the Starlette session cookie;
@@ -67,9 +69,10 @@ _HANG_LIMIT_S = 600.0
 class ProxyFault:
     """What the proxy does to one request instead of (or on the way to) forwarding it."""
 
-    kind: str  # "status", "hang", "drop", "lose_session"
+    kind: str  # "status", "hang", "drop", "lose_session", "regrade"
     status: int = 503
     seconds: float = 0.0
+    reward: float = 0.0
 
     @staticmethod
     def status_code(status: int = 503) -> ProxyFault:
@@ -90,6 +93,11 @@ class ProxyFault:
     def lose_session() -> ProxyFault:
         """Forward without the session cookie and strip the one the answer sets: the server no longer knows it."""
         return ProxyFault("lose_session")
+
+    @staticmethod
+    def regrade(reward: float) -> ProxyFault:
+        """Forward; a 200 answer carrying a ``reward`` reaches the client with ``reward`` in its place."""
+        return ProxyFault("regrade", reward=reward)
 
 
 @dataclass(frozen=True)
@@ -295,9 +303,12 @@ class FaultProxy:
         if fault is not None and fault.kind == "hang":
             await asyncio.sleep(min(fault.seconds, _HANG_LIMIT_S))
         strip_cookie = fault is not None and fault.kind == "lose_session"
-        return await self._forward(request, body, strip_cookie=strip_cookie)
+        regrade = fault.reward if fault is not None and fault.kind == "regrade" else None
+        return await self._forward(request, body, strip_cookie=strip_cookie, regrade=regrade)
 
-    async def _forward(self, request: web.Request, body: bytes, *, strip_cookie: bool) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, body: bytes, *, strip_cookie: bool, regrade: float | None = None
+    ) -> web.StreamResponse:
         assert self._client is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         if strip_cookie:
@@ -313,6 +324,8 @@ class FaultProxy:
                 timeout=aiohttp.ClientTimeout(total=self.upstream_timeout_s),
             ) as upstream:
                 payload = await upstream.read()
+                if regrade is not None and upstream.status == 200:
+                    payload = _with_reward(payload, regrade)
                 answer = web.Response(status=upstream.status, body=payload)
                 for name, value in upstream.headers.items():
                     lowered = name.lower()
@@ -325,6 +338,17 @@ class FaultProxy:
             logger.info("fault proxy: upstream %s failed for %s: %s", self.upstream, request.path, type(exc).__name__)
             text = json.dumps(f"bad gateway: {type(exc).__name__}")
             return web.Response(status=502, text=text, content_type="application/json")
+
+
+def _with_reward(payload: bytes, reward: float) -> bytes:
+    """``payload`` (a JSON object with a ``reward``) with ``reward`` replaced; anything else unchanged."""
+    try:
+        answer = json.loads(payload)
+    except ValueError:
+        return payload
+    if not isinstance(answer, dict) or "reward" not in answer:
+        return payload
+    return json.dumps({**answer, "reward": reward}).encode()
 
 
 def fault_counts(log: list[LogEntry]) -> dict[str, int]:

@@ -437,19 +437,23 @@ class InjectedFaults:
 
 @dataclass(frozen=True)
 class RowFault:
-    """Break ``endpoint`` on the given attempts of the first ``rollouts`` rollouts of a dataset row that reach it."""
+    """Break ``endpoint`` on the given attempts of ``rollouts`` rollouts of a dataset row, in the order they reach
+    the proxy: the first ``rollouts`` of them, or those after the first ``skip``. ``fault="regrade"`` does not
+    break the call: it plants a verify reward of 1.0 (a success the policy did not have to earn)."""
 
     endpoint: str  # "seed_session", "verify", "browser_click", ...
     attempts: tuple[int, ...]
     rollouts: int
-    fault: str = "status"  # "status" (503), "drop", "lose_session"
+    fault: str = "status"  # "status" (503), "drop", "lose_session", "regrade"
+    skip: int = 0
 
 
-def planned_faults(plan: Mapping[int, RowFault]) -> Callable[[Any], Any]:
+def planned_faults(plan: Mapping[int, RowFault | Sequence[RowFault]]) -> Callable[[Any], Any]:
     """A proxy rule from a plan keyed by dataset row index (the ``index`` column), deterministic whatever the timing.
 
-    Rollouts are told apart by the id the loop gives each (``r<index>-<hex>``): the first ``rollouts`` distinct ones
-    of a row to open a session are the planned ones, whichever of the group's episodes they are.
+    Rollouts are told apart by the id the loop gives each (``r<index>-<hex>``) and numbered in the order they first
+    reach the proxy, whichever of the group's episodes they are; a row's fault hits the rollouts numbered
+    ``skip`` .. ``skip + rollouts - 1``. A row may carry several faults (for different rollouts or endpoints).
     """
     from .chaos_harness import parse_session_id
     from .fault_proxy import ProxyFault
@@ -458,8 +462,13 @@ def planned_faults(plan: Mapping[int, RowFault]) -> Callable[[Any], Any]:
         "status": lambda: ProxyFault.status_code(503),
         "drop": ProxyFault.drop,
         "lose_session": ProxyFault.lose_session,
+        "regrade": lambda: ProxyFault.regrade(1.0),
     }
-    chosen: dict[int, list[str]] = {}
+    faults = {index: (f,) if isinstance(f, RowFault) else tuple(f) for index, f in plan.items()}
+    for row_fault in (f for row in faults.values() for f in row):
+        if row_fault.fault not in make:
+            raise ValueError(f"unknown fault {row_fault.fault!r}; expected one of {sorted(make)}")
+    seen: dict[int, list[str]] = {}  # per row, its rollouts in the order they first reached the proxy
     lock = threading.Lock()
 
     def rule(request: Any) -> Any:
@@ -467,17 +476,18 @@ def planned_faults(plan: Mapping[int, RowFault]) -> Callable[[Any], Any]:
         if parsed is None:
             return None
         index, attempt = parsed
-        row_fault = plan.get(index)
-        if row_fault is None:
+        if index not in faults:
             return None
         rollout = request.session_id.split(".", 1)[0]
         with lock:
-            picked = chosen.setdefault(index, [])
-            if rollout not in picked and len(picked) < row_fault.rollouts:
-                picked.append(rollout)
-            planned = rollout in picked
-        if planned and request.endpoint == row_fault.endpoint and attempt in row_fault.attempts:
-            return make[row_fault.fault]()
+            order = seen.setdefault(index, [])
+            if rollout not in order:
+                order.append(rollout)
+            position = order.index(rollout)
+        for row_fault in faults[index]:
+            chosen = row_fault.skip <= position < row_fault.skip + row_fault.rollouts
+            if chosen and request.endpoint == row_fault.endpoint and attempt in row_fault.attempts:
+                return make[row_fault.fault]()
         return None
 
     return rule

@@ -137,6 +137,23 @@ async def test_a_lost_session_is_reported_as_such_and_the_typed_close_still_rele
     assert fake.events(s.session_id)[-1] == "close"
 
 
+async def test_a_regraded_verify_reaches_the_client_with_the_planted_reward_and_still_releases_the_browser(
+    proxy, fake, client
+):
+    proxy.set_rule(faulting("verify", ProxyFault.regrade(1.0)))
+
+    async with session(client) as s:
+        await s.observe()
+        assert (await s.finish("a wrong answer, on the home page")).done
+        result = await s.verify()
+
+    assert result.reward == 1.0  # the fake graded 0: the task asks for the about page
+    assert result.raw["reward"] == 1.0 and "response" in result.raw  # the server's own answer otherwise
+    assert fake.events(s.session_id)[-2:] == ["verify", "close"]
+    assert fake.open_sessions == 0 and proxy.open_session_ids == ()
+    assert [e.fault for e in proxy.log if e.request.endpoint == "verify"] == ["regrade"]
+
+
 async def test_a_stopped_proxy_refuses_connections_and_serves_again_on_the_same_port_after_start(proxy, client):
     port = proxy.port
     await proxy.stop()

@@ -30,10 +30,15 @@ GROUP_SIZE = 4
 # A cold Ray start, model load and two CPU steps take 1-3 minutes here; a loaded machine several times that.
 RUN_TIMEOUT_S = 1200
 # Row 0: its first rollout's seed fails once (resampled, recovered). Row 1: its first rollout's verify fails on every
-# attempt (still invalid after 3 attempts: flagged, advantage 0).
+# attempt (still invalid after 3 attempts: flagged, advantage 0), and its second rollout's verify is graded 1.0
+# whatever the policy did, so that group's valid scores always differ from the ones stock GRPO would see (a zero in
+# place of the failure): the baseline check below cannot pass on a group of equal scores.
 PLAN = {
     0: tr.RowFault("seed_session", attempts=(1,), rollouts=1),
-    1: tr.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
+    1: (
+        tr.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
+        tr.RowFault("verify", attempts=(1,), rollouts=1, fault="regrade", skip=1),
+    ),
 }
 
 
@@ -124,8 +129,8 @@ def test_the_trainer_logs_env_metrics_that_match_the_injected_faults(first_run) 
     assert math.isclose(first["env/resampled_rate"], 2 / samples)
     assert math.isclose(first["env/recovered_rate"], 1 / samples)
     assert first["env/attempts/max"] == 3
-    # the proxy answered 503 exactly where the plan says: one seed, three verifies
-    assert injected == {"status": 4}
+    # the proxy answered 503 exactly where the plan says (one seed, three verifies) and planted one grade
+    assert injected == {"status": 4, "regrade": 1}
     # step 2: the plan is spent, nothing failed
     assert tr.metric(result.steps, 2, "env/invalid_count") == 0
     assert tr.metric(result.steps, 2, "env/resampled_rate") == 0
@@ -149,6 +154,19 @@ def test_flagged_samples_get_advantage_zero_and_stay_out_of_their_groups_baselin
             assert sample["advantage"] == pytest.approx(want, abs=1e-4), sample
         for sample in (s for s, bad in zip(samples, invalid, strict=True) if bad):
             assert sample["advantage"] == 0.0 and sample["response_tokens"] == 0  # out of the loss as well
+    assert_the_failure_stayed_out_of_its_groups_baseline(result.advantages[1])
+
+
+def assert_the_failure_stayed_out_of_its_groups_baseline(samples: list[dict]) -> None:
+    """The flagged sample's group (one sample per episode): its valid members hold the planted 1.0, and stock GRPO
+    (the failure a zero in the baseline) would have given each of them another advantage than the trainer did."""
+    flagged = next(s["uid"] for s in samples if s["env_invalid"])
+    group = [s for s in samples if s["uid"] == flagged]
+    assert any(s["score"] == 1.0 for s in group if not s["env_invalid"])
+    stock = expected_advantages([s["score"] for s in group], [False] * len(group), [flagged] * len(group), norm=True)
+    for sample, stock_advantage in zip(group, stock, strict=True):
+        if not sample["env_invalid"]:  # the closest case, scores 1, 0, 0 plus the failure: 0.077 apart
+            assert abs(sample["advantage"] - stock_advantage) > 0.05, (sample, stock_advantage)
 
 
 def test_no_browser_session_is_left_open_after_training(first_run) -> None:
@@ -234,6 +252,8 @@ def test_stepwise_mode_gives_every_step_its_episodes_advantage_and_invalid_episo
                 assert bool(sample["env_invalid"]) is bad and sample["score"] == steps[-1]["score"]
                 if bad:
                     assert sample["advantage"] == 0.0 and sample["response_tokens"] == 0
+        if step == 1:
+            assert_the_failure_stayed_out_of_its_groups_baseline(finals)
 
 
 def test_stepwise_mode_leaves_no_browser_session_open(stepwise_run) -> None:

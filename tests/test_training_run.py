@@ -128,6 +128,29 @@ def test_planned_faults_break_the_first_rollouts_of_a_row_on_their_planned_attem
     assert rule(request("verify", None)) is None
 
 
+def test_a_row_may_carry_several_faults_each_on_its_own_rollouts_in_the_order_they_arrive() -> None:
+    rule = tr.planned_faults(
+        {
+            1: (
+                tr.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
+                tr.RowFault("verify", attempts=(1,), rollouts=2, fault="regrade", skip=1),
+            )
+        }
+    )
+    first, second, third, fourth = (f"r1-{n:04x}" for n in range(4))
+    assert rule(request("seed_session", f"{first}.1.0")) is None
+    for name in (second, third, fourth):
+        assert rule(request("seed_session", f"{name}.1.0")) is None
+    assert rule(request("verify", f"{first}.1.0")).kind == "status"
+    assert rule(request("verify", f"{second}.1.1")).kind == "regrade"
+    assert rule(request("verify", f"{second}.1.1")).reward == 1.0
+    assert rule(request("verify", f"{third}.1.2")).kind == "regrade"
+    assert rule(request("verify", f"{fourth}.1.3")) is None  # past skip + rollouts
+    assert rule(request("verify", f"{second}.2.4")) is None  # the regrade is planned on attempt 1 only
+    with pytest.raises(ValueError, match="unknown fault"):
+        tr.planned_faults({0: tr.RowFault("verify", attempts=(1,), rollouts=1, fault="typo")})
+
+
 def test_random_faults_hit_about_their_rate_the_same_way_every_time_and_spare_the_named_tasks() -> None:
     sessions = [f"r{i}-{i:04x}.1.{i}" for i in range(2000)]
     rule = tr.random_faults(0.3, seed=7)
@@ -170,7 +193,8 @@ def test_a_run_past_its_timeout_is_stopped_with_its_whole_process_group(tmp_path
     )
     monkeypatch.setattr(tr, "main_ppo_command", lambda spec, python=sys.executable: [python, "-c", script])
     lines: list[str] = []
-    result = tr.run_main_ppo(run, timeout_s=5, on_line=lines.append)
+    # long enough for two interpreters to start on a loaded machine (5 s was not, with CI's integration tier beside)
+    result = tr.run_main_ppo(run, timeout_s=15, on_line=lines.append)
     assert not result.ok and lines == ["started"]
     assert result.peak_memory_bytes > 2 * 2**20  # two Python interpreters were sampled while they ran
     child = int(marker.read_text())

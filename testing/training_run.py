@@ -623,21 +623,39 @@ checkpoints/.
 The CPU backend (rollout hfcpu) stands in for vLLM on machines without a GPU; it is never meant for GPU nodes.
 exit status: 0 trained, 1 training failed, 2 usage error.""",
     )
-    parser.add_argument("--workdir", type=Path, required=True, metavar="DIR")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--workdir", type=Path, required=True, metavar="DIR", help="where the rows, the policy and run/ go (see below)"
+    )
+    parser.add_argument("--steps", type=int, default=2, help="training steps (default %(default)s)")
     parser.add_argument("--prompts-per-step", type=int, default=4, help="GRPO groups per step (default %(default)s)")
     parser.add_argument("--group-size", type=int, default=4, help="episodes per group, rollout.n (default %(default)s)")
-    parser.add_argument("--estimator", choices=(RECIPE_ESTIMATOR, STOCK_ESTIMATOR), default=RECIPE_ESTIMATOR)
+    parser.add_argument(
+        "--estimator",
+        choices=(RECIPE_ESTIMATOR, STOCK_ESTIMATOR),
+        default=RECIPE_ESTIMATOR,
+        help=f"{RECIPE_ESTIMATOR} (the recipe, default) or {STOCK_ESTIMATOR} (stock verl GRPO: the recipe's wiring "
+        "off, one attempt, failures scored 0)",
+    )
     parser.add_argument(
         "--fault-rate", type=float, default=0.0, help="share of sessions whose verify answers 503 (default 0)"
     )
     parser.add_argument("--lr", type=float, default=RunSpec.lr, help="default %(default)s")
-    parser.add_argument("--test-freq", type=int, default=-1, help="validate on the held-back tasks every N steps")
+    parser.add_argument(
+        "--test-freq", type=int, default=-1, help="validate on the held-back tasks every N steps (default: never)"
+    )
     parser.add_argument("--rollout", default=CPU_ROLLOUT, help="rollout backend: hfcpu (CPU, default) or vllm")
     parser.add_argument("--model", type=Path, help="a model folder (default: build and warm-start the tiny policy)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra hydra override")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the warm start, the data order and the fault draw")
+    parser.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds before the run is stopped (default %(default)s)"
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra hydra override for main_ppo, repeatable (e.g. nemo_gym_browser.trajectory_dir=DIR)",
+    )
     return parser
 
 

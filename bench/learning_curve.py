@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,8 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rates = sorted({run["rate"] for run in runs})
-    figure, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.6), sharey=True, squeeze=False)
+    width = max(4.2 * len(rates), 6.4)  # one panel still fits the title line
+    figure, axes = plt.subplots(1, len(rates), figsize=(width, 3.6), sharey=True, squeeze=False)
     for axis, rate in zip(axes[0], rates, strict=True):
         for run in (r for r in runs if r["rate"] == rate):
             steps = sorted(run["success"])
@@ -145,7 +147,7 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
         axis.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-back success rate")
     axes[0][0].legend()
-    figure.suptitle(title, fontsize=9)
+    figure.suptitle(textwrap.fill(title, width=int(width * 15)), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

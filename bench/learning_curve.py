@@ -141,7 +141,8 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     for axis, rate in zip(axes[0], rates, strict=True):
         for run in (r for r in runs if r["rate"] == rate):
             steps = sorted(run["success"])
-            axis.plot(steps, [run["success"][s] for s in steps], marker="o", label=run["arm"])
+            style = {"marker": "o", "linestyle": "-"} if run["arm"] == "recipe" else {"marker": "s", "linestyle": "--"}
+            axis.plot(steps, [run["success"][s] for s in steps], label=run["arm"], markerfacecolor="none", **style)
         axis.set_title(f"{rate:.0%} of training sessions spoiled")
         axis.set_xlabel("training step")
         axis.grid(alpha=0.3)

@@ -167,25 +167,23 @@ async def test_the_deadline_ends_a_stepwise_episode_scored_as_it_stands(run, ser
     assert server.open_sessions == 0
 
 
-async def test_stepwise_mode_is_refused_under_the_legacy_trainer(run, tokenizer, tools, server):
-    legacy = compose_trainer_config(overrides=["trainer.use_v1=false"])
-    with pytest.raises(InstantiationException, match="only verl's V1 trainer"):  # hydra wraps the ValueError
-        build_loop(
-            sp.ScriptedPolicy(tokenizer, WALK),
-            tokenizer=tokenizer,
-            tools=tools,
-            trainer_config=legacy,
-            environment={"server_urls": [server.url]},
-            stepwise=STEPWISE,
-        )
-    loop = build_loop(
+def stepwise_loop(tokenizer, tools, server, trainer_config):
+    """A step-wise loop on the fake server, built (and so checked) under ``trainer_config``."""
+    return build_loop(
         sp.ScriptedPolicy(tokenizer, WALK),
         tokenizer=tokenizer,
         tools=tools,
-        trainer_config=compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=8"]),
+        trainer_config=trainer_config,
         environment={"server_urls": [server.url]},
         stepwise=STEPWISE,
     )
+
+
+async def test_stepwise_mode_is_refused_under_the_legacy_trainer(tokenizer, tools, server, trainer_config):
+    legacy = compose_trainer_config(overrides=["trainer.use_v1=false"])
+    with pytest.raises(InstantiationException, match="only verl's V1 trainer"):  # hydra wraps the ValueError
+        stepwise_loop(tokenizer, tools, server, legacy)
+    loop = stepwise_loop(tokenizer, tools, server, trainer_config)
     with pytest.raises(RuntimeError) as raised:  # called the legacy worker's way (no session_id)
         await loop.run(SAMPLING, **make_row(task="Open the About page", verifier_metadata=ABOUT))
     assert str(raised.value) == LEGACY_STEPWISE_MESSAGE
@@ -200,14 +198,7 @@ def test_stepwise_mode_without_a_turn_limit_is_refused_because_nothing_else_woul
     with pytest.raises(
         InstantiationException, match=r"needs actor_rollout_ref\.rollout\.multi_turn\.max_assistant_turns"
     ):
-        build_loop(
-            sp.ScriptedPolicy(tokenizer, WALK),
-            tokenizer=tokenizer,
-            tools=tools,
-            trainer_config=unbounded,
-            environment={"server_urls": [server.url]},
-            stepwise=STEPWISE,
-        )
+        stepwise_loop(tokenizer, tools, server, unbounded)
 
 
 def test_stepwise_settings_are_read_from_the_loop_config_and_checked():

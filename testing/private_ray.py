@@ -27,10 +27,8 @@ def private_ray(num_cpus: int = 2, *, worker_env: Mapping[str, str] | None = Non
     saved = (os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER)
     os.environ[LOOPBACK_ONLY_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
-    extra = dict(worker_env or {})
     try:
-        os.environ.update(extra)
-        try:
+        with _environment(worker_env or {}):
             ray.init(
                 address="local",
                 num_cpus=num_cpus,
@@ -39,14 +37,27 @@ def private_ray(num_cpus: int = 2, *, worker_env: Mapping[str, str] | None = Non
                 log_to_driver=False,
                 configure_logging=False,
             )
-        finally:
-            for key in extra:
-                os.environ.pop(key, None)
         yield
     finally:
         ray.shutdown()
-        if saved[0] is None:
-            os.environ.pop(LOOPBACK_ONLY_ENV, None)
-        else:
-            os.environ[LOOPBACK_ONLY_ENV] = saved[0]
+        _restore(LOOPBACK_ONLY_ENV, saved[0])
         ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block; what they replaced comes back after it."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            _restore(key, value)
+
+
+def _restore(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value

@@ -44,6 +44,14 @@ def trainer_config():
 
 
 @pytest.fixture(scope="module")
+def stepwise_trainer_config():
+    """verl's config with a turn limit, as the recipe's always has: step-wise mode refuses to run without one."""
+    from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config
+
+    return compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=40"])
+
+
+@pytest.fixture(scope="module")
 def tools():
     from nemo_gym_browser.testing.agent_loop_harness import load_tools
 

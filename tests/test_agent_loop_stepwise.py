@@ -27,14 +27,8 @@ FAST_ENV = {"call_timeout_s": 2.0, "seed_timeout_s": 2.0, "verify_timeout_s": 2.
 WALK = swp.steps(sp.observe(), sp.click_matching("About"), sp.finish("ALPHA-42"))
 
 
-@pytest.fixture(scope="module")
-def trainer_config():
-    """verl's config with a turn limit, as the recipe's always has: step-wise mode refuses to run without one."""
-    return compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=40"])
-
-
 @pytest.fixture
-def run(server, tokenizer, tools, trainer_config):
+def run(server, tokenizer, tools, stepwise_trainer_config):
     async def run(script=WALK, *, stepwise=STEPWISE, row=None, config=None, **settings):
         settings.setdefault("resample_backoff_s", 0)
         policy = sp.ScriptedPolicy(tokenizer, script)
@@ -42,7 +36,7 @@ def run(server, tokenizer, tools, trainer_config):
             policy,
             tokenizer=tokenizer,
             tools=tools,
-            trainer_config=config if config is not None else trainer_config,
+            trainer_config=config if config is not None else stepwise_trainer_config,
             environment={"server_urls": [server.url], **FAST_ENV},
             stepwise=stepwise,
             **settings,
@@ -179,11 +173,11 @@ def stepwise_loop(tokenizer, tools, server, trainer_config):
     )
 
 
-async def test_stepwise_mode_is_refused_under_the_legacy_trainer(tokenizer, tools, server, trainer_config):
+async def test_stepwise_mode_is_refused_under_the_legacy_trainer(tokenizer, tools, server, stepwise_trainer_config):
     legacy = compose_trainer_config(overrides=["trainer.use_v1=false"])
     with pytest.raises(InstantiationException, match="only verl's V1 trainer"):  # hydra wraps the ValueError
         stepwise_loop(tokenizer, tools, server, legacy)
-    loop = stepwise_loop(tokenizer, tools, server, trainer_config)
+    loop = stepwise_loop(tokenizer, tools, server, stepwise_trainer_config)
     with pytest.raises(RuntimeError) as raised:  # called the legacy worker's way (no session_id)
         await loop.run(SAMPLING, **make_row(task="Open the About page", verifier_metadata=ABOUT))
     assert str(raised.value) == LEGACY_STEPWISE_MESSAGE

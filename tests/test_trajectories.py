@@ -18,7 +18,7 @@ import pytest
 from nemo_gym_browser import trajectories as tj
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing import stepwise_policy as swp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, make_row
+from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 from nemo_gym_browser.testing.fake_environment import Fault
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
@@ -39,21 +39,15 @@ def records_in(folder: Path) -> list[dict]:
     return [json.loads(line) for path in sorted(folder.rglob("*.jsonl")) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def trainer_config():
-    """verl's config with a turn limit, as the recipe's always has: step-wise mode refuses to run without one."""
-    return compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=40"])
-
-
 @pytest.fixture
-def rollout(server, tokenizer, tools, trainer_config):
+def rollout(server, tokenizer, tools, stepwise_trainer_config):
     async def run(script, *, extra=None, row=None, **settings):
         settings.setdefault("resample_backoff_s", 0)
         loop = build_loop(
             sp.ScriptedPolicy(tokenizer, script),
             tokenizer=tokenizer,
             tools=tools,
-            trainer_config=trainer_config,
+            trainer_config=stepwise_trainer_config,
             environment={"server_urls": [server.url], **FAST_ENV},
             **settings,
         )

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import io
 import json
 import logging
 import math
@@ -183,20 +181,10 @@ def parameter_count(model: torch.nn.Module) -> int:
 # ----- demonstrations -------------------------------------------------------------------------------------------
 
 
-def prepare_rows(task_file: Path, output_dir: Path) -> Path:
-    """``task_file`` through ``prepare_webvoyager_data.py`` (every task to ``train.jsonl``); its report is not shown."""
-    from .. import prepare_webvoyager_data as prep
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        status = prep.main(["--input", str(task_file), "--val-fraction", "0", "--output-dir", str(output_dir)])
-    if status != 0:
-        raise RuntimeError(f"prepare_webvoyager_data.py refused {task_file} (exit {status})")
-    return output_dir / prep.TRAIN_FILE
-
-
 def load_samples(task_file: Path, workdir: Path) -> list[dict[str, Any]]:
     """The verl samples of a task file, as ``BrowserJSONLDataset`` gives them to the agent loop."""
     from ..dataset import BrowserJSONLDataset
+    from .training_run import prepare_rows
 
     dataset = BrowserJSONLDataset(str(prepare_rows(task_file, workdir / task_file.stem)))
     return [dataset[i] for i in range(len(dataset))]

@@ -569,19 +569,20 @@ def summary_line(step: int, metrics: Mapping[str, Any]) -> str:
     return f"{step:4d} " + " ".join(cells)
 
 
-def prepare_task_rows(workdir: Path, train_tasks: Path, val_tasks: Path) -> tuple[Path, Path]:
-    """Rows for ``main_ppo`` from two WebVoyager-format task files, through ``prepare_webvoyager_data.py``."""
-    from ..prepare_webvoyager_data import main as prepare
+def prepare_rows(task_file: Path, output_dir: Path) -> Path:
+    """``task_file`` through ``prepare_webvoyager_data.py`` (every task to ``train.jsonl``); its report is not shown."""
+    from .. import prepare_webvoyager_data as prep
 
-    files = []
-    for name, tasks in (("train", train_tasks), ("val", val_tasks)):
-        out = workdir / f"data-{name}"
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            status = prepare(["--input", str(tasks), "--output-dir", str(out), "--val-fraction", "0"])
-        if status != 0:
-            raise RuntimeError(f"prepare_webvoyager_data.py refused {tasks} (exit {status})")
-        files.append(out / "train.jsonl")
-    return files[0], files[1]
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        status = prep.main(["--input", str(task_file), "--val-fraction", "0", "--output-dir", str(output_dir)])
+    if status != 0:
+        raise RuntimeError(f"prepare_webvoyager_data.py refused {task_file} (exit {status})")
+    return output_dir / prep.TRAIN_FILE
+
+
+def prepare_task_rows(workdir: Path, train_tasks: Path, val_tasks: Path) -> tuple[Path, Path]:
+    """Rows for ``main_ppo`` from two WebVoyager-format task files (``data-train/``, ``data-val/`` in ``workdir``)."""
+    return prepare_rows(train_tasks, workdir / "data-train"), prepare_rows(val_tasks, workdir / "data-val")
 
 
 def tiny_policy_folder(workdir: Path, seed: int = 0) -> Path:

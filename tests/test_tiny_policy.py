@@ -9,6 +9,7 @@ CLI's default (see the module docstring of ``testing/tiny_policy.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -122,8 +123,9 @@ def test_the_warm_started_folder_loads_in_verl_and_its_greedy_first_turn_is_a_br
 def test_the_builder_gives_the_same_weights_for_the_same_seed_and_others_for_another(small_tasks, tmp_path):
     warm = tp.WarmStartSpec(demos_per_task=1, steps=2, batch_size=2)
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        tp.build(tmp_path / name, model_spec=SMALL_MODEL, warm=tp.WarmStartSpec(**{**warm.__dict__, "seed": seed}),
-                 task_file=small_tasks)  # fmt: skip
+        tp.build(
+            tmp_path / name, model_spec=SMALL_MODEL, warm=dataclasses.replace(warm, seed=seed), task_file=small_tasks
+        )
     a, b, c = (load_file(tmp_path / name / "model.safetensors") for name in "abc")
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
     assert any(not torch.equal(a[key], c[key]) for key in a)

@@ -120,6 +120,7 @@ from .environment import (
     EnvironmentFailure,
     FailureKind,
     ToolResult,
+    parse_observation,
 )
 from .episode_metrics import reward_extra_info
 from .judge import BinaryJudge, JudgeConfig, JudgeEvidence
@@ -451,20 +452,6 @@ def render_result(result: ToolResult) -> str:
     if result.done:
         return result.observation or "Finished: your answer was recorded."
     return result.observation or "(the browser returned no observation)"
-
-
-def parse_observation(observation: str | None) -> tuple[str | None, str | None, str | None]:
-    """``(url, title, text)`` of a NeMo Gym observation (``URL:``/``TITLE:``/``ELEMENTS:``/``TEXT:`` sections)."""
-    if not observation:
-        return None, None, None
-    url = re.search(r"^URL: ?(.*)$", observation, flags=re.MULTILINE)
-    title = re.search(r"^TITLE: ?(.*)$", observation, flags=re.MULTILINE)
-    text = re.search(r"^TEXT:(.*)\Z", observation, flags=re.MULTILINE | re.DOTALL)
-    return (
-        url.group(1).strip() if url else None,
-        title.group(1).strip() if title else None,
-        " ".join(text.group(1).split()) if text else None,
-    )
 
 
 class BrowserEpisode:

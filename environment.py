@@ -711,3 +711,17 @@ def _safe_rollout_id(rollout_id: str) -> str:
     if re.search(r"-a[1-9][0-9]*$", cleaned):
         cleaned += "_"
     return cleaned
+
+
+def parse_observation(observation: str | None) -> tuple[str | None, str | None, str | None]:
+    """``(url, title, text)`` of a NeMo Gym observation (``URL:``/``TITLE:``/``ELEMENTS:``/``TEXT:`` sections)."""
+    if not observation:
+        return None, None, None
+    url = re.search(r"^URL: ?(.*)$", observation, flags=re.MULTILINE)
+    title = re.search(r"^TITLE: ?(.*)$", observation, flags=re.MULTILINE)
+    text = re.search(r"^TEXT:(.*)\Z", observation, flags=re.MULTILINE | re.DOTALL)
+    return (
+        url.group(1).strip() if url else None,
+        title.group(1).strip() if title else None,
+        " ".join(text.group(1).split()) if text else None,
+    )

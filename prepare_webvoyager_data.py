@@ -973,6 +973,23 @@ def prepare(args: argparse.Namespace, today: dt.date) -> Report:
     return report
 
 
+def prepare_rows(task_file: Path, output_dir: Path, tool_interface: str = BROWSER_TOOL) -> Path:
+    """Every task of ``task_file`` (any input format ``--input`` reads) as rows in ``output_dir/train.jsonl``.
+
+    The library form of ``--input FILE --val-fraction 0 --output-dir DIR``: the same validation and rows, no report.
+    Raises :class:`InputError` naming every record it refuses.
+    """
+    argv = ["--input", str(task_file), "--val-fraction", "0", "--output-dir", str(output_dir)]
+    args = _parser().parse_args([*argv, "--tool-interface", tool_interface])
+    try:
+        report = prepare(args, dt.date.today())
+    except _Errors as exc:
+        raise InputError(str(task_file), "; ".join(str(error) for error in exc.errors[:MAX_ERRORS_SHOWN])) from None
+    path = Path(output_dir) / TRAIN_FILE
+    write_jsonl_files({path: [row for _, row, _ in report.kept]})
+    return path
+
+
 class _Errors(Exception):
     def __init__(self, errors: list[InputError]):
         super().__init__(f"{len(errors)} input errors")

@@ -143,16 +143,13 @@ def run_smoke(url: str) -> None:
         raise RuntimeError(f"the smoke episode failed (exit {done.returncode})")
 
 
-def prepare_rows(workdir: Path) -> list[dict[str, Any]]:
+def bundled_rows(workdir: Path) -> list[dict[str, Any]]:
     from nemo_gym_browser import prepare_webvoyager_data
     from nemo_gym_browser.dataset import BrowserJSONLDataset
 
     print(f"\n== prepare_webvoyager_data.py --input {TASKS.relative_to(RECIPE_DIR)}")
-    out = workdir / "data"
-    code = prepare_webvoyager_data.main(["--input", str(TASKS), "--output-dir", str(out), "--val-fraction", "0"])
-    if code != 0:
-        raise RuntimeError(f"preparing the bundled tasks failed (exit {code})")
-    dataset = BrowserJSONLDataset([str(out / "train.jsonl")])
+    train = prepare_webvoyager_data.prepare_rows(TASKS, workdir / "data")
+    dataset = BrowserJSONLDataset([str(train)])
     return [dataset[i] for i in range(len(dataset))]
 
 
@@ -310,7 +307,7 @@ def check(output: Any, plans: dict[int, SamplePlan], recipe: list[float], config
 async def rehearse(server_url: str, workdir: Path) -> int:
     from nemo_gym_browser.testing.fault_proxy import FaultProxy
 
-    rows = prepare_rows(workdir)
+    rows = bundled_rows(workdir)
     samples, plans, scripts = group_rows(rows)
     async with FaultProxy(server_url) as proxy:
         proxy.set_rule(fault_rule(plans))

@@ -661,7 +661,7 @@ fi
 # 6. Training
 # ================================================================================================================
 if [[ "${VERL_PLATFORM:-}" == cpu ]]; then
-    # testing/cpu_backend (config.env exports VERL_PLATFORM=cpu): the CPU stand-in for tests and rehearsals only.
+    # local/cpu_backend (config.env exports VERL_PLATFORM=cpu): the CPU stand-in for tests and rehearsals only.
     log "WARNING: VERL_PLATFORM=cpu: training on the CPU test backend (hfcpu rollout), not on GPUs"
 elif command -v nvidia-smi >/dev/null; then
     gpus_here="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"

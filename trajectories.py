@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from .environment import parse_observation
+
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
@@ -153,7 +155,6 @@ def _last_page(episode: Any) -> dict[str, Any] | None:
     observation = getattr(episode, "last_observation", None) if episode is not None else None
     if not observation:
         return None
-    from .browser_agent_loop import parse_observation  # the loop's own reading of an observation
 
     url, title, text = parse_observation(observation)
     return {

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.testing import shop_tasks
-from nemo_gym_browser.testing import training_run as tr
+from nemo_gym_browser.local import shop_tasks
+from nemo_gym_browser.local import training_run as tr
 from nemo_gym_browser.testing.benchmarking import header
 
 ARMS = (("recipe", tr.RECIPE_ESTIMATOR), ("stock", tr.STOCK_ESTIMATOR))

@@ -4,7 +4,7 @@ Observations are read with the recipe's own environment client (seed, observe, c
 
 * the fake server's pages (the real server's bundled ``site/``, as ``testing/fake_environment.py`` serves it);
 * with ``--real``: the real nemo-gym 0.7.0 server with headless Chromium (``launch_environment.py``) on the test
-  site (``testing/site``: home, about, results and the 24 shop pages), and on a generated page at the server's
+  site (``local/site``: home, about, results and the 24 shop pages), and on a generated page at the server's
   caps (60 links with long names, several thousand characters of text: the server keeps 50 elements of at most
   80 characters and 2000 characters of text);
 * the render contract's worst case, built without a server: 50 elements of 80 characters with the longest tag
@@ -43,7 +43,7 @@ exit codes: 0 measured, 2 usage error (e.g. no such tokenizer file)
 """
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
-SITE_DIR = RECIPE_DIR / "testing" / "site"
+SITE_DIR = RECIPE_DIR / "local" / "site"
 # The server's caps (nemo-gym 0.7.0 browser/page.py and app.py): elements shown, characters per element name and
 # of page text. The generated page exceeds each.
 MAX_ELEMENTS, MAX_NAME_CHARS, MAX_TEXT_CHARS = 50, 80, 2000
@@ -135,7 +135,7 @@ async def observe_pages(server_url: str, start_urls: Sequence[str]) -> list[tupl
 async def real_environment() -> AsyncIterator[tuple[str, str, str]]:
     """The real server, the test site and a folder with the page at the caps: (server URL, site URL, caps URL)."""
     from nemo_gym_browser.launch_environment import LocalEnvironment
-    from nemo_gym_browser.testing.local_site import LocalSite
+    from nemo_gym_browser.local.local_site import LocalSite
 
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "index.html").write_text(cap_page(filler_words()), encoding="utf-8")

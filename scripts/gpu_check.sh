@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recipe's short real training on one NVIDIA GPU with vLLM as the rollout engine (the CPU runs use the hfcpu
-# backend instead). Checks the machine first, then runs `python -m nemo_gym_browser.testing.training_run --rollout
+# backend instead). Checks the machine first, then runs `python -m nemo_gym_browser.local.training_run --rollout
 # vllm` with the vLLM settings below and prints step times and env/* metrics. `--help` explains everything.
 set -euo pipefail
 
@@ -29,7 +29,7 @@ Trains the recipe for a few steps on one NVIDIA GPU with vLLM: verl 0.9.1's real
 reference and a vLLM replica colocated on the GPU, vLLM asleep while the actor trains), BrowserToolAgentLoop
 against a real nemo-gym 0.7.0 interactive_browser with headless Chromium on 127.0.0.1 serving the local Corner
 Shop tasks, a fault proxy that makes verify answer 503 for a share of the episodes, and grpo_env_aware. It is
-the run \`python -m nemo_gym_browser.testing.training_run\` makes on CPU, with rollout.name=vllm. At the end it
+the run \`python -m nemo_gym_browser.local.training_run\` makes on CPU, with rollout.name=vllm. At the end it
 prints each step's times, reward and env/* metrics.
 
 Checked first (each refusal names its fix):
@@ -91,7 +91,7 @@ import math
 import sys
 from pathlib import Path
 
-from nemo_gym_browser.testing.training_run import read_step_metrics
+from nemo_gym_browser.local.training_run import read_step_metrics
 
 path, wanted = Path(sys.argv[1]), int(sys.argv[2])
 steps = read_step_metrics(path)
@@ -154,8 +154,8 @@ if ! "$PYTHON" -c 'import flash_attn' 2>/dev/null; then
     overrides+=(actor_rollout_ref.model.use_remove_padding=False)
 fi
 overrides+=("${extra[@]}")
-build=("$PYTHON" -m nemo_gym_browser.testing.tiny_policy build --output "$policy" "${POLICY_SHAPE[@]}")
-train=("$PYTHON" -m nemo_gym_browser.testing.training_run --workdir "$workdir" --rollout vllm --model "$policy"
+build=("$PYTHON" -m nemo_gym_browser.local.tiny_policy build --output "$policy" "${POLICY_SHAPE[@]}")
+train=("$PYTHON" -m nemo_gym_browser.local.training_run --workdir "$workdir" --rollout vllm --model "$policy"
     --steps "$steps" --fault-rate "$fault_rate")
 for override in "${overrides[@]}"; do train+=(--override "$override"); done
 
@@ -167,7 +167,7 @@ fi
 
 # ------------------------------------------------------------------------------------------------------ the checks
 command -v nvidia-smi >/dev/null || die "no NVIDIA driver here (nvidia-smi not found): this check needs one" \
-    "NVIDIA GPU. Without one, the same run uses the CPU backend: $PYTHON -m nemo_gym_browser.testing.training_run" \
+    "NVIDIA GPU. Without one, the same run uses the CPU backend: $PYTHON -m nemo_gym_browser.local.training_run" \
     "--workdir DIR"
 gpu_id="${CUDA_VISIBLE_DEVICES:-}"
 gpu_id="${gpu_id%%,*}"

@@ -24,6 +24,6 @@ bash scripts/setup_environment.sh
 if ((train)); then
     echo
     echo "== a real training run: verl main_ppo, BrowserToolAgentLoop, grpo_env_aware, the CPU backend in place of vLLM"
-    exec "$ROOT/.venv/bin/python" -m nemo_gym_browser.testing.training_run --workdir "$ROOT/.cache/rehearsal-train" \
+    exec "$ROOT/.venv/bin/python" -m nemo_gym_browser.local.training_run --workdir "$ROOT/.cache/rehearsal-train" \
         --steps 3 --fault-rate 0.3 --test-freq 3
 fi

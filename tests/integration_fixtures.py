@@ -7,7 +7,7 @@ Registered as a pytest plugin from ``tests/conftest.py`` (``pytest_plugins = ["i
   ``.venv-gym`` FAILS the requesting tests with the command that builds it.
   ``NEMO_GYM_BROWSER_TEST_BACKEND`` picks the backend (``remote_cdp`` by default, or ``local_playwright``);
   ``NEMO_GYM_BROWSER_GYM_VENV`` points at another gym virtual environment.
-- ``local_site``: our static test site (``testing/site``) on a loopback port.
+- ``local_site``: our static test site (``local/site``) on a loopback port.
 - ``shop_site``, ``shop_rows``, ``tiny_policy``: the Corner Shop on its fixed loopback port, its task rows, and the
   warm-started tiny policy, for the tests that really train (built once per session).
 
@@ -31,7 +31,7 @@ from nemo_gym_browser.launch_environment import (
     LocalEnvironment,
     check_gym_venv,
 )
-from nemo_gym_browser.testing.local_site import LocalSite
+from nemo_gym_browser.local.local_site import LocalSite
 
 BACKEND_ENV_VAR = "NEMO_GYM_BROWSER_TEST_BACKEND"
 GYM_VENV_ENV_VAR = "NEMO_GYM_BROWSER_GYM_VENV"
@@ -85,7 +85,7 @@ def local_site() -> Iterator[LocalSite]:
 @pytest.fixture(scope="session")
 def shop_site() -> Iterator[LocalSite]:
     """The Corner Shop's pages on their fixed loopback port (the task files name it)."""
-    from nemo_gym_browser.testing import shop_tasks
+    from nemo_gym_browser.local import shop_tasks
 
     site = shop_tasks.serve()
     try:
@@ -104,7 +104,7 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     ``NEMO_GYM_BROWSER_TEST_POLICY_DIR`` keeps it across sessions: built there once, reused after.
     """
-    from nemo_gym_browser.testing.training_run import tiny_policy_folder
+    from nemo_gym_browser.local.training_run import tiny_policy_folder
 
     kept = os.environ.get(POLICY_DIR_ENV_VAR)
     return tiny_policy_folder(Path(kept) if kept else tmp_path_factory.mktemp("policy"))
@@ -113,7 +113,7 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def shop_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Training rows (the shop's training tasks) and validation rows (its held-back tasks) for main_ppo."""
-    from nemo_gym_browser.testing import shop_tasks
-    from nemo_gym_browser.testing.training_run import prepare_task_rows
+    from nemo_gym_browser.local import shop_tasks
+    from nemo_gym_browser.local.training_run import prepare_task_rows
 
     return prepare_task_rows(tmp_path_factory.mktemp("rows"), shop_tasks.TRAIN_FILE, shop_tasks.HELD_BACK_FILE)

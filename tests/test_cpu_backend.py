@@ -23,25 +23,25 @@ import torch
 from transformers import AutoModelForCausalLM
 from verl.workers.config import RolloutConfig
 
-from nemo_gym_browser.testing.cpu_backend import (
+from nemo_gym_browser.local.cpu_backend import (
     FORCE_ENV,
     PLUGIN_MODULE,
     ROLLOUT_NAME,
     cpu_env,
     cpu_overrides,
 )
-from nemo_gym_browser.testing.cpu_backend import plugin as _plugin  # noqa: F401  (registers cpu and hfcpu)
-from nemo_gym_browser.testing.cpu_backend.main_ppo_cpu import toy_overrides
-from nemo_gym_browser.testing.cpu_backend.platform import PlatformCPU
-from nemo_gym_browser.testing.cpu_backend.rollout import (
+from nemo_gym_browser.local.cpu_backend import plugin as _plugin  # noqa: F401  (registers cpu and hfcpu)
+from nemo_gym_browser.local.cpu_backend.main_ppo_cpu import toy_overrides
+from nemo_gym_browser.local.cpu_backend.platform import PlatformCPU
+from nemo_gym_browser.local.cpu_backend.rollout import (
     HFCpuReplica,
     HFCpuServerAdapter,
     server_actor_name,
     start_server_actor,
 )
-from nemo_gym_browser.testing.cpu_backend.sampling import UnsupportedSamplingParameter
-from nemo_gym_browser.testing.cpu_backend.server import HFCpuServer, server_settings
-from nemo_gym_browser.testing.cpu_backend.toy import save_random_policy
+from nemo_gym_browser.local.cpu_backend.sampling import UnsupportedSamplingParameter
+from nemo_gym_browser.local.cpu_backend.server import HFCpuServer, server_settings
+from nemo_gym_browser.local.cpu_backend.toy import save_random_policy
 from nemo_gym_browser.testing.tokenizer import IM_END, build_test_tokenizer
 
 PROMPT = [5, 6, 7, 8, 9, 10]

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_gym_browser.testing import tiny_policy
-from nemo_gym_browser.testing import training_run as tr
+from nemo_gym_browser.local import tiny_policy
+from nemo_gym_browser.local import training_run as tr
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -87,7 +87,7 @@ def test_a_machine_without_nvidia_smi_is_refused_with_exit_1_and_pointed_at_the_
     result = run_script("--workdir", str(workdir), path=path_without_nvidia_smi())
     assert result.returncode == 1
     assert "nvidia-smi not found" in result.stderr and "needs one NVIDIA GPU" in result.stderr
-    assert "nemo_gym_browser.testing.training_run" in result.stderr  # the CPU backend's way to the same run
+    assert "nemo_gym_browser.local.training_run" in result.stderr  # the CPU backend's way to the same run
     assert not workdir.exists()  # nothing was started or written
 
 
@@ -160,10 +160,10 @@ def test_the_printed_run_composes_with_verls_real_config_into_a_one_gpu_vllm_rol
     from verl.workers.config import RolloutConfig
 
     build, train = printed_commands(tmp_path, "--", "trainer.val_before_train=False")
-    assert build[1:3] == ["-m", "nemo_gym_browser.testing.tiny_policy"]
+    assert build[1:3] == ["-m", "nemo_gym_browser.local.tiny_policy"]
     hidden, heads = int(options(build, "--hidden-size")[0]), int(options(build, "--heads")[0])
     assert hidden % heads == 0 and hidden // heads == 64  # the head size every vLLM attention backend takes
-    assert train[1:3] == ["-m", "nemo_gym_browser.testing.training_run"]
+    assert train[1:3] == ["-m", "nemo_gym_browser.local.training_run"]
     assert options(train, "--rollout") == ["vllm"] and options(train, "--model") == options(build, "--output")
     overrides = options(train, "--override")
     assert overrides[-1] == "trainer.val_before_train=False"  # the caller's own overrides come last

@@ -1,4 +1,4 @@
-"""Offline checks of launch_environment.py and testing/local_site.py: usage errors, diagnoses, and that a server
+"""Offline checks of launch_environment.py and local/local_site.py: usage errors, diagnoses, and that a server
 which fails or hangs during start-up leaves no process behind. The gym virtual environment here is a fake folder
 whose ``bin/python`` is a small shell script; the real one is exercised by the integration tier.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from nemo_gym_browser import launch_environment
 from nemo_gym_browser.launch_environment import EnvironmentStartError, LocalEnvironment
-from nemo_gym_browser.testing.local_site import LocalSite
+from nemo_gym_browser.local.local_site import LocalSite
 
 
 def fake_gym_venv(root: Path, python_script: str) -> Path:

@@ -2,7 +2,7 @@
 ``patches.py``, the real nemo-gym 0.7.0 server with Chromium on 127.0.0.1, and infrastructure failures injected by
 the fault proxy between the rollouts and the server.
 
-The model is the project's warm-started tiny policy on the CPU backend (``testing/cpu_backend``: a ``cpu`` platform
+The model is the project's warm-started tiny policy on the CPU backend (``local/cpu_backend``: a ``cpu`` platform
 and the ``hfcpu`` rollout in place of vLLM); the tasks are four Corner Shop training tasks, one of each kind.
 Everything asserted is read from what the trainer itself logged (verl's ``file`` logger and the recipe's advantage
 log), from the checkpoint folder it wrote, and from the proxy's and the server's view of the sessions.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_gym_browser.local import training_run as tr
 from nemo_gym_browser.rehearsal import expected_advantages
-from nemo_gym_browser.testing import training_run as tr
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def data(workdir: Path) -> tuple[Path, Path, int]:
     """Rows of the first training task of each kind, in that order (row i is the task of KINDS[i])."""
-    from nemo_gym_browser.testing import shop_tasks
+    from nemo_gym_browser.local import shop_tasks
 
     records = [next(r for r in shop_tasks.task_records("train") if r["kind"] == kind) for kind in KINDS]
     tasks = workdir / "tasks.jsonl"

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from nemo_gym_browser.launch_environment import BrowserState, LocalEnvironment
-from nemo_gym_browser.testing.local_site import LocalSite
+from nemo_gym_browser.local.local_site import LocalSite
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,11 @@ import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.local import shop_tasks as st
+from nemo_gym_browser.local.tiny_policy import load_samples
 from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing import shop_tasks as st
 from nemo_gym_browser.testing.agent_loop_harness import build_loop
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.tiny_policy import load_samples
 
 pytestmark = pytest.mark.integration
 

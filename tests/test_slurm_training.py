@@ -3,7 +3,7 @@
 The job does what it does on a GPU cluster: checks, composes and preflights the config, starts the real nemo-gym
 server with Chromium, walks a smoke episode, forms the Ray cluster, checks the settings inside a Ray worker, and then
 runs ``python -m verl.trainer.main_ppo`` with the recipe's config. The only differences: ``config.env`` exports the
-CPU backend's environment (``testing/cpu_backend``: ``VERL_PLATFORM=cpu`` and the ``hfcpu`` rollout in place of
+CPU backend's environment (``local/cpu_backend``: ``VERL_PLATFORM=cpu`` and the ``hfcpu`` rollout in place of
 vLLM), the model is the warm-started tiny policy, the tasks are the Corner Shop's, and the run is two steps long.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from slurm_fixtures import PORT_SEARCH_START, LocalSlurm, assert_in_order, assert_nothing_left, free_ports, sbatch_wait
 
-from nemo_gym_browser.testing import cpu_backend
-from nemo_gym_browser.testing.training_run import read_step_metrics
+from nemo_gym_browser.local import cpu_backend
+from nemo_gym_browser.local.training_run import read_step_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@ loss, a model folder that verl and the hfcpu rollout server load and whose greed
 a builder that gives the same weights for the same seed.
 
 The builds here are small (one task of each kind, a few steps) so the tier stays fast; the measured policy is the
-CLI's default (see the module docstring of ``testing/tiny_policy.py``).
+CLI's default (see the module docstring of ``local/tiny_policy.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from verl.workers.config import HFModelConfig
 
-from nemo_gym_browser.testing import shop_tasks as st
-from nemo_gym_browser.testing import tiny_policy as tp
+from nemo_gym_browser.local import shop_tasks as st
+from nemo_gym_browser.local import tiny_policy as tp
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 SMALL_MODEL = tp.ModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_gym_browser.testing import training_run as tr
+from nemo_gym_browser.local import training_run as tr
 
 
 def spec(tmp_path: Path, **changes) -> tr.RunSpec:
@@ -208,7 +208,7 @@ def test_a_sigterm_to_the_driver_stops_the_runs_whole_process_group(tmp_path: Pa
     driver = f"""
 import sys
 from pathlib import Path
-from nemo_gym_browser.testing import training_run as tr
+from nemo_gym_browser.local import training_run as tr
 
 script = (
     "import subprocess, sys, time; "

@@ -15,10 +15,10 @@ against the actor's recomputed ones, after each weight sync).
 
 Examples::
 
-    python -m nemo_gym_browser.testing.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo
-    python -m nemo_gym_browser.testing.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo --steps 3 \\
+    python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo
+    python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo --steps 3 \\
         -- actor_rollout_ref.rollout.n=4
-    python -m nemo_gym_browser.testing.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo --print-only
+    python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo --print-only
 
 Exit status: ``main_ppo``'s own (0 when it finished); 2 for a usage error.
 """
@@ -37,7 +37,7 @@ from .toy import save_random_policy, write_toy_dataset
 
 __all__ = ["main", "main_ppo_command", "toy_overrides"]
 
-REWARD_MODULE = "pkg://nemo_gym_browser.testing.cpu_backend.toy"
+REWARD_MODULE = "pkg://nemo_gym_browser.local.cpu_backend.toy"
 
 
 def toy_overrides(workdir: str | Path, *, steps: int = 2) -> list[str]:

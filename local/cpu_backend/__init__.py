@@ -17,7 +17,7 @@ The two halves (``plugin`` registers both in every process that imports verl)
 How to run ``main_ppo`` on CPU (one source of truth: :func:`cpu_env` and :func:`cpu_overrides`)
     Environment (``cpu_env()``), exported before Ray starts so every Ray worker inherits it::
 
-        VERL_USE_EXTERNAL_MODULES=nemo_gym_browser.testing.cpu_backend.plugin  # registers cpu + hfcpu everywhere
+        VERL_USE_EXTERNAL_MODULES=nemo_gym_browser.local.cpu_backend.plugin  # registers cpu + hfcpu everywhere
         VERL_PLATFORM=cpu                       # verl's explicit platform override
         VERL_ENGINE_DEVICE=cuda                 # verl's FSDP engine is registered for cuda/npu only; its code is
                                                 # device-agnostic (it goes through the platform)
@@ -43,7 +43,7 @@ How to run ``main_ppo`` on CPU (one source of truth: :func:`cpu_env` and :func:`
         actor_rollout_ref.model.use_remove_padding=False                    # remove-padding needs flash-attn
         transfer_queue.backend.SimpleStorage.num_data_storage_units=1   # one storage actor is enough on 2 cores
 
-    ``python -m nemo_gym_browser.testing.cpu_backend.main_ppo_cpu --workdir DIR`` builds a toy model, data and
+    ``python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir DIR`` builds a toy model, data and
     reward and runs ``main_ppo`` with exactly these settings.
 
 Importing this package is cheap: no torch, verl or Ray import happens here.
@@ -63,7 +63,7 @@ __all__ = [
 
 PLATFORM_NAME = "cpu"
 ROLLOUT_NAME = "hfcpu"
-PLUGIN_MODULE = "nemo_gym_browser.testing.cpu_backend.plugin"
+PLUGIN_MODULE = "nemo_gym_browser.local.cpu_backend.plugin"
 # Lets both halves start on a host that has CUDA (for debugging the backend itself, never for training).
 FORCE_ENV = "NEMO_GYM_BROWSER_CPU_BACKEND_FORCE"
 # Where the rollout server reads its thread count: rollout.engine_kwargs is a free-form dict per backend.

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..tokenizer import save_test_model
+from ...testing.tokenizer import save_test_model
 
 __all__ = ["compute_score", "save_random_policy", "write_toy_dataset"]
 

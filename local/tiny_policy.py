@@ -52,9 +52,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from . import scripted_policy as sp
+from ..testing import scripted_policy as sp
+from ..testing.tokenizer import build_test_tokenizer
 from . import shop_tasks
-from .tokenizer import build_test_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def parameter_count(model: torch.nn.Module) -> int:
 def load_samples(task_file: Path, workdir: Path) -> list[dict[str, Any]]:
     """The verl samples of a task file, as ``BrowserJSONLDataset`` gives them to the agent loop."""
     from ..dataset import BrowserJSONLDataset
-    from .training_run import prepare_rows
+    from ..prepare_webvoyager_data import prepare_rows
 
     dataset = BrowserJSONLDataset(str(prepare_rows(task_file, workdir / task_file.stem)))
     return [dataset[i] for i in range(len(dataset))]
@@ -205,8 +205,8 @@ async def collect_demonstrations(
     order, so the element the task names is at a different position from round to round.
     """
     from ..browser_agent_loop import close_shared_clients
-    from .agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from .fake_environment import FakeEnvironmentServer
+    from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
+    from ..testing.fake_environment import FakeEnvironmentServer
 
     records = {record["id"]: record for record in shop_tasks.task_records()}
     config = compose_trainer_config(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH)
@@ -481,8 +481,8 @@ async def evaluate(
     Sampled episodes (``temperature > 0``) run ``episodes_per_task`` times per task; greedy ones once.
     """
     from ..browser_agent_loop import close_shared_clients
-    from .agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from .fake_environment import FakeEnvironmentServer
+    from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
+    from ..testing.fake_environment import FakeEnvironmentServer
 
     records = {record["id"]: record for record in shop_tasks.task_records()}
     config = compose_trainer_config(
@@ -539,14 +539,14 @@ async def evaluate(
 _EPILOG = f"""\
 examples:
   # the default policy, then its success rates on the training and the held-back tasks
-  python -m nemo_gym_browser.testing.tiny_policy build --output /tmp/tiny-policy
-  python -m nemo_gym_browser.testing.tiny_policy evaluate --model /tmp/tiny-policy --episodes-per-task 2
+  python -m nemo_gym_browser.local.tiny_policy build --output /tmp/tiny-policy
+  python -m nemo_gym_browser.local.tiny_policy evaluate --model /tmp/tiny-policy --episodes-per-task 2
 
   # another size and another share of demonstrations that pick the named element
-  python -m nemo_gym_browser.testing.tiny_policy build --output /tmp/tiny-policy --hidden-size 128 --correct 0.6
+  python -m nemo_gym_browser.local.tiny_policy build --output /tmp/tiny-policy --hidden-size 128 --correct 0.6
 
   # the untrained model and its tokenizer only (no demonstrations, no training)
-  python -m nemo_gym_browser.testing.tiny_policy build --output /tmp/untrained --steps 0
+  python -m nemo_gym_browser.local.tiny_policy build --output /tmp/untrained --steps 0
 
 what build writes to --output:
   config.json, model.safetensors, generation_config.json and the tokenizer files (chat template included): a
@@ -560,7 +560,7 @@ what evaluate does:
   per episode.
 
 the tasks: {shop_tasks.TRAIN_FILE.name} (demonstrated) and {shop_tasks.HELD_BACK_FILE.name} (held back: other
-items of the same kinds, never demonstrated); see python -m nemo_gym_browser.testing.shop_tasks --help.
+items of the same kinds, never demonstrated); see python -m nemo_gym_browser.local.shop_tasks --help.
 
 exit status: 0 done, 2 usage error."""
 
@@ -568,7 +568,7 @@ exit status: 0 done, 2 usage error."""
 def _parser() -> argparse.ArgumentParser:
     defaults, warm = ModelSpec(), WarmStartSpec()
     parser = argparse.ArgumentParser(
-        prog="python -m nemo_gym_browser.testing.tiny_policy",
+        prog="python -m nemo_gym_browser.local.tiny_policy",
         description="A tiny Qwen2 policy for the Corner Shop tasks. build: make the model and warm-start it on CPU "
         "on demonstrations the scripted policy plays through the recipe's real agent loop against the fake "
         "environment server (loss on exactly the tokens the loop marked as the model's). evaluate: measure its "

@@ -1,6 +1,6 @@
 """A tiny static web site of our own, served on 127.0.0.1, for integration tests against the real browser server.
 
-``testing/site/`` holds three pages, each with text and elements a test can grade with every verifier key:
+``local/site/`` holds three pages, each with text and elements a test can grade with every verifier key:
 
 - ``index.html`` ("Test Site Home"): links to the About page and to preset results, a search form (input ``q`` and
   a "Search" button that loads ``results.html?q=...``), and a "Reveal code" button that shows

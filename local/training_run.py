@@ -5,7 +5,7 @@ What it owns
       checkpointing) and :func:`hydra_overrides` / :func:`process_environment`, the exact ``main_ppo`` command line
       and environment it implies: ``configs/webvoyager_grpo.yaml`` (the recipe's own trainer config, as
       ``submit_webvoyager.sh`` uses it), small sizes, and, unless ``rollout_name`` says otherwise, the CPU backend of
-      :mod:`nemo_gym_browser.testing.cpu_backend` in place of vLLM.
+      :mod:`nemo_gym_browser.local.cpu_backend` in place of vLLM.
     * :func:`run_main_ppo`: ``python -m verl.trainer.main_ppo`` as a child process in its own process group, its
       output in ``main_ppo.log``, its per-step metrics read back from verl's own ``file`` logger
       (``metrics.jsonl``); on timeout or interruption the whole group is stopped (it is ours: Ray's processes
@@ -22,7 +22,6 @@ Layout of ``RunSpec.output_dir``: ``command.txt``, ``main_ppo.log``, ``metrics.j
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..prepare_webvoyager_data import DATA_SOURCE
-from .background_loop import BackgroundLoop
+from ..testing.background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
@@ -395,7 +394,7 @@ class InjectedFaults:
     _TIMEOUT_S = 30.0
 
     def __init__(self, upstream: str, rule: Callable[[Any], Any] | None = None) -> None:
-        from .fault_proxy import FaultProxy
+        from ..testing.fault_proxy import FaultProxy
 
         self._loop = BackgroundLoop("fault-proxy")
         self._proxy = FaultProxy(upstream)
@@ -430,7 +429,7 @@ class InjectedFaults:
         return list(self._proxy.log)
 
     def counts(self) -> dict[str, int]:
-        from .fault_proxy import fault_counts
+        from ..testing.fault_proxy import fault_counts
 
         return fault_counts(self.log)
 
@@ -455,8 +454,8 @@ def planned_faults(plan: Mapping[int, RowFault | Sequence[RowFault]]) -> Callabl
     reach the proxy, whichever of the group's episodes they are; a row's fault hits the rollouts numbered
     ``skip`` .. ``skip + rollouts - 1``. A row may carry several faults (for different rollouts or endpoints).
     """
-    from .chaos_harness import parse_session_id
-    from .fault_proxy import ProxyFault
+    from ..testing.chaos_harness import parse_session_id
+    from ..testing.fault_proxy import ProxyFault
 
     make = {
         "status": lambda: ProxyFault.status_code(503),
@@ -505,7 +504,7 @@ def random_faults(
     """
     import hashlib
 
-    from .fault_proxy import ProxyFault
+    from ..testing.fault_proxy import ProxyFault
 
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"rate must be in [0, 1], not {rate}")
@@ -569,19 +568,10 @@ def summary_line(step: int, metrics: Mapping[str, Any]) -> str:
     return f"{step:4d} " + " ".join(cells)
 
 
-def prepare_rows(task_file: Path, output_dir: Path) -> Path:
-    """``task_file`` through ``prepare_webvoyager_data.py`` (every task to ``train.jsonl``); its report is not shown."""
-    from .. import prepare_webvoyager_data as prep
-
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        status = prep.main(["--input", str(task_file), "--val-fraction", "0", "--output-dir", str(output_dir)])
-    if status != 0:
-        raise RuntimeError(f"prepare_webvoyager_data.py refused {task_file} (exit {status})")
-    return output_dir / prep.TRAIN_FILE
-
-
 def prepare_task_rows(workdir: Path, train_tasks: Path, val_tasks: Path) -> tuple[Path, Path]:
     """Rows for ``main_ppo`` from two WebVoyager-format task files (``data-train/``, ``data-val/`` in ``workdir``)."""
+    from ..prepare_webvoyager_data import prepare_rows
+
     return prepare_rows(train_tasks, workdir / "data-train"), prepare_rows(val_tasks, workdir / "data-val")
 
 
@@ -599,7 +589,7 @@ def _parser() -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m nemo_gym_browser.testing.training_run",
+        prog="python -m nemo_gym_browser.local.training_run",
         description="Train a policy for a few steps with verl's real main_ppo and this recipe, on this machine: the "
         "local Corner Shop site, a real nemo-gym interactive_browser with headless Chromium on 127.0.0.1, the fault "
         "proxy injecting infrastructure failures, BrowserToolAgentLoop and grpo_env_aware. Prints one line per step.",
@@ -607,14 +597,14 @@ def _parser() -> Any:
         epilog="""\
 examples:
   # two steps of the warm-started tiny policy on the CPU backend (a few minutes on 2 cores)
-  python -m nemo_gym_browser.testing.training_run --workdir /tmp/train
+  python -m nemo_gym_browser.local.training_run --workdir /tmp/train
 
   # 30 % of training episodes spoiled by the environment (verify answers 503; never the held-back tasks that
   # validation runs), stock GRPO instead of the recipe
-  python -m nemo_gym_browser.testing.training_run --workdir /tmp/stock --fault-rate 0.3 --estimator grpo
+  python -m nemo_gym_browser.local.training_run --workdir /tmp/stock --fault-rate 0.3 --estimator grpo
 
   # one GPU with vLLM (see scripts/gpu_check.sh)
-  python -m nemo_gym_browser.testing.training_run --workdir /tmp/gpu --rollout vllm \\
+  python -m nemo_gym_browser.local.training_run --workdir /tmp/gpu --rollout vllm \\
       --model /models/Qwen2.5-0.5B-Instruct
 
 what is written to --workdir: the task rows, the tiny policy (unless --model), and run/ with main_ppo.log,

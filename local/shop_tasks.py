@@ -2,9 +2,9 @@
 
 What this module owns
     * The catalogue (:data:`CATEGORIES`): six sections of four items, each item with a price. Every page of
-      ``testing/site/shop/`` is rendered from it (:func:`render_pages`), and so are the task files
+      ``local/site/shop/`` is rendered from it (:func:`render_pages`), and so are the task files
       ``examples/shop_tasks_train.jsonl`` and ``examples/shop_tasks_heldback.jsonl`` (:func:`task_records`).
-      ``python -m nemo_gym_browser.testing.shop_tasks --write`` regenerates them; ``--check`` fails when a committed
+      ``python -m nemo_gym_browser.local.shop_tasks --write`` regenerates them; ``--check`` fails when a committed
       file differs from what the catalogue renders.
     * The same pages for the fake environment server (:func:`fake_site`): a :class:`~.fake_environment.Site` whose
       observations equal the real server's for every page (checked against Chromium by the integration tier),
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from . import scripted_policy as sp
-from .fake_environment import Page, PageState, Site, button, link, text_input
+from ..testing import scripted_policy as sp
+from ..testing.fake_environment import Page, PageState, Site, button, link, text_input
 from .local_site import SITE_DIR, LocalSite
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _search_script() -> list[str]:
 
 
 def render_pages() -> dict[str, str]:
-    """File name -> HTML of every page of the shop (``testing/site/shop/``)."""
+    """File name -> HTML of every page of the shop (``local/site/shop/``)."""
     sections = [(section, section_file(section)) for section in CATEGORIES]
     pages = {
         "index.html": _document(
@@ -467,14 +467,14 @@ def stale_files() -> list[Path]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m nemo_gym_browser.testing.shop_tasks",
+        prog="python -m nemo_gym_browser.local.shop_tasks",
         description="The Corner Shop test site and its task suite: check or regenerate the committed files.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"""\
 examples:
-  python -m nemo_gym_browser.testing.shop_tasks --check      # are site and task files current?
-  python -m nemo_gym_browser.testing.shop_tasks --write      # regenerate them from the catalogue
-  python -m nemo_gym_browser.testing.shop_tasks --serve      # serve the site on {SHOP_ORIGIN} until Ctrl-C
+  python -m nemo_gym_browser.local.shop_tasks --check      # are site and task files current?
+  python -m nemo_gym_browser.local.shop_tasks --write      # regenerate them from the catalogue
+  python -m nemo_gym_browser.local.shop_tasks --serve      # serve the site on {SHOP_ORIGIN} until Ctrl-C
 
   # the task files are WebVoyager task lists; prepare them like any other (every task of a file goes to its
   # train.jsonl with --val-fraction 0: use the held-back file's rows as verl's validation set)
@@ -487,7 +487,7 @@ exit status: 0 ok, 1 --check found stale files, 2 usage error.""",
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--check", action="store_true", help="exit 1 if a committed file is not what is rendered")
     action.add_argument("--write", action="store_true", help="write the site pages and the task files")
-    action.add_argument("--serve", action="store_true", help=f"serve testing/site on {SHOP_ORIGIN} until Ctrl-C")
+    action.add_argument("--serve", action="store_true", help=f"serve local/site on {SHOP_ORIGIN} until Ctrl-C")
     parser.add_argument("--port", type=int, default=SHOP_PORT, help=f"--serve: port (default {SHOP_PORT})")
     return parser
 

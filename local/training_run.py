@@ -11,7 +11,10 @@ What it owns
       (``metrics.jsonl``); on timeout or interruption the whole group is stopped (it is ours: Ray's processes
       included).
     * :class:`InjectedFaults`: the project's fault proxy (:mod:`nemo_gym_browser.testing.fault_proxy`) between the
-      trainer's rollouts and a real environment server, in a background thread, with deterministic rules.
+      trainer's rollouts and a real environment server, in a background thread, with deterministic rules:
+      :func:`random_faults` (a share of sessions fails at one endpoint, verify by default), :func:`browser_call_faults`
+      (each browser action call fails on its own, so exposure grows with browsing), :func:`planned_faults` (per row);
+      :class:`FaultSpec` (``RunSpec.faults``, the CLI's ``--fault-*``) names the first two.
 
 The stock arm (``estimator="grpo"``) is verl's GRPO as it ships: the recipe's trainer wiring is switched off
 (``NEMO_GYM_BROWSER_PATCHES=0``), each rollout gets one attempt and a failure enters its group as a zero.
@@ -53,6 +56,43 @@ CPU_ROLLOUT = "hfcpu"  # cpu_backend.ROLLOUT_NAME, not imported here so that bui
 RECIPE_ESTIMATOR = "grpo_env_aware"
 # A stopped run's process group gets this long after SIGTERM (Ray shuts its workers down) before SIGKILL.
 STOP_GRACE_S = 20.0
+# Where injected faults strike: "verify" spoils a share of sessions after the policy acted (random_faults);
+# "browser-call" fails each browser action call on its own (browser_call_faults).
+FAULT_POINTS = ("verify", "browser-call")
+# What a faulted call meets (ProxyFault kinds), each an infrastructure failure the loop resamples. At a browser call /
+# at verify the loop records: "status" (a 503) server_error / verify_unavailable; "lose_session" (the session cookie
+# stripped: the server no longer knows the session) session_lost / session_lost; "hang" (held until the client gives
+# up) timeout after environment.call_timeout_s / verify_unavailable after verify_timeout_s. Not "drop": observe and
+# navigate are retried on a dropped connection, each retry a call of its own, so their failure rate would not be the
+# rate asked for.
+FAULT_KINDS = ("status", "lose_session", "hang")
+
+
+def _check_rate(rate: float) -> None:
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"the fault rate must be in [0, 1], not {rate}")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """The infrastructure failures the fault proxy injects into a run's training sessions (see :meth:`rule`)."""
+
+    rate: float = 0.0  # "verify": the share of sessions faulted; "browser-call": each browser call's chance
+    at: str = "verify"  # one of FAULT_POINTS
+    kind: str = "status"  # one of FAULT_KINDS
+
+    def __post_init__(self) -> None:
+        _check_rate(self.rate)
+        if self.at not in FAULT_POINTS:
+            raise ValueError(f"faults strike at one of {FAULT_POINTS}, not {self.at!r}")
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"the fault kind must be one of {FAULT_KINDS}, not {self.kind!r}")
+
+    def rule(self, seed: int, spare_tasks: frozenset[str] = frozenset()) -> Callable[[Any], Any]:
+        """The proxy rule: :func:`random_faults` at verify or :func:`browser_call_faults`, sparing ``spare_tasks``."""
+        if self.at == "browser-call":
+            return browser_call_faults(self.rate, seed, kind=self.kind, spare_tasks=spare_tasks)
+        return random_faults(self.rate, seed, spare_tasks=spare_tasks, kind=self.kind)
 
 
 @dataclass(frozen=True)
@@ -85,8 +125,14 @@ class RunSpec:
     agent_workers: int = 1
     extra_overrides: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # What the driver's fault proxy injects. main_ppo never sees it: whoever starts the proxy builds its rule from it.
+    faults: FaultSpec = FaultSpec()
+    # environment.call_timeout_s; None keeps configs/agent_loop.yaml's. A "hang" fault at a browser call costs this.
+    call_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.call_timeout_s is not None and self.call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s must be positive, not {self.call_timeout_s}")
         if self.estimator not in (RECIPE_ESTIMATOR, STOCK_ESTIMATOR):
             raise ValueError(f"estimator must be {RECIPE_ESTIMATOR!r} or {STOCK_ESTIMATOR!r}, not {self.estimator!r}")
         if not self.server_urls:
@@ -176,6 +222,8 @@ def hydra_overrides(spec: RunSpec) -> list[str]:
             "+ray_kwargs.ray_init._node_ip_address=127.0.0.1",
             "+ray_kwargs.ray_init.include_dashboard=False",
         ]
+    if spec.call_timeout_s is not None:  # ++: the key is not in webvoyager_grpo.yaml's nemo_gym_browser section
+        overrides.append(f"++nemo_gym_browser.environment.call_timeout_s={spec.call_timeout_s}")
     return overrides + list(spec.extra_overrides)
 
 
@@ -443,8 +491,32 @@ class RowFault:
     endpoint: str  # "seed_session", "verify", "browser_click", ...
     attempts: tuple[int, ...]
     rollouts: int
-    fault: str = "status"  # "status" (503), "drop", "lose_session", "regrade"
+    fault: str = "status"  # "status" (503), "drop", "lose_session", "hang", "regrade"
     skip: int = 0
+
+
+def proxy_fault(name: str) -> Any:
+    """The :class:`~nemo_gym_browser.testing.fault_proxy.ProxyFault` a rule here answers with, by ``name``."""
+    from ..testing.fault_proxy import ProxyFault
+
+    make = {
+        "status": lambda: ProxyFault.status_code(503),
+        "drop": ProxyFault.drop,
+        "lose_session": ProxyFault.lose_session,
+        "hang": ProxyFault.hang,  # held until the client gives up (its call timeout), then never forwarded
+        "regrade": lambda: ProxyFault.regrade(1.0),
+    }
+    if name not in make:
+        raise ValueError(f"unknown fault {name!r}; expected one of {sorted(make)}")
+    return make[name]()
+
+
+def _unit_draw(*parts: object) -> float:
+    """A number in [0, 1) that is a hash of ``parts``: the same every run, whatever the order of the requests."""
+    import hashlib
+
+    digest = hashlib.sha256(":".join(str(part) for part in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def planned_faults(plan: Mapping[int, RowFault | Sequence[RowFault]]) -> Callable[[Any], Any]:
@@ -455,18 +527,10 @@ def planned_faults(plan: Mapping[int, RowFault | Sequence[RowFault]]) -> Callabl
     ``skip`` .. ``skip + rollouts - 1``. A row may carry several faults (for different rollouts or endpoints).
     """
     from ..testing.chaos_harness import parse_session_id
-    from ..testing.fault_proxy import ProxyFault
 
-    make = {
-        "status": lambda: ProxyFault.status_code(503),
-        "drop": ProxyFault.drop,
-        "lose_session": ProxyFault.lose_session,
-        "regrade": lambda: ProxyFault.regrade(1.0),
-    }
     faults = {index: (f,) if isinstance(f, RowFault) else tuple(f) for index, f in plan.items()}
     for row_fault in (f for row in faults.values() for f in row):
-        if row_fault.fault not in make:
-            raise ValueError(f"unknown fault {row_fault.fault!r}; expected one of {sorted(make)}")
+        proxy_fault(row_fault.fault)  # an unknown name fails here, not mid-run
     seen: dict[int, list[str]] = {}  # per row, its rollouts in the order they first reached the proxy
     lock = threading.Lock()
 
@@ -486,35 +550,72 @@ def planned_faults(plan: Mapping[int, RowFault | Sequence[RowFault]]) -> Callabl
         for row_fault in faults[index]:
             chosen = row_fault.skip <= position < row_fault.skip + row_fault.rollouts
             if chosen and request.endpoint == row_fault.endpoint and attempt in row_fault.attempts:
-                return make[row_fault.fault]()
+                return proxy_fault(row_fault.fault)
         return None
 
     return rule
 
 
 def random_faults(
-    rate: float, seed: int, endpoint: str = "verify", spare_tasks: frozenset[str] = frozenset()
+    rate: float,
+    seed: int,
+    endpoint: str = "verify",
+    spare_tasks: frozenset[str] = frozenset(),
+    kind: str = "status",
 ) -> Callable[[Any], Any]:
-    """A proxy rule that answers 503 to ``endpoint`` for a fraction ``rate`` of all sessions (each attempt drawn anew).
+    """A proxy rule that fails ``endpoint`` for a fraction ``rate`` of all sessions (each attempt drawn anew).
 
     The draw is a hash of the session id and ``seed``, so it does not depend on request order or timing; over many
-    sessions the fraction converges to ``rate``. A 503 at verify spoils an episode after the policy acted: the
-    recipe re-runs it (``verify_unavailable``), stock GRPO scores it 0. Sessions of ``spare_tasks`` (e.g. the
-    held-back tasks validation runs) are never faulted, so validation measures the policy alone.
+    sessions the fraction converges to ``rate``. A fault at verify spoils an episode after the policy acted, however
+    much it browsed: the recipe re-runs it (a 503 is ``verify_unavailable``, see ``FAULT_KINDS``), stock GRPO scores
+    it 0. Sessions of ``spare_tasks`` (e.g. the held-back tasks validation runs) are never faulted, so validation
+    measures the policy alone. ``kind`` names the :func:`proxy_fault` (default ``status``, a 503).
     """
-    import hashlib
-
-    from ..testing.fault_proxy import ProxyFault
-
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"rate must be in [0, 1], not {rate}")
+    _check_rate(rate)
+    proxy_fault(kind)
 
     def rule(request: Any) -> Any:
         if request.endpoint != endpoint or not request.session_id or request.task_id in spare_tasks:
             return None
-        digest = hashlib.sha256(f"{seed}:{request.session_id}".encode()).digest()
-        draw = int.from_bytes(digest[:8], "big") / 2**64
-        return ProxyFault.status_code(503) if draw < rate else None
+        return proxy_fault(kind) if _unit_draw(seed, request.session_id) < rate else None
+
+    return rule
+
+
+def browser_call_faults(
+    rate: float, seed: int, kind: str = "status", spare_tasks: frozenset[str] = frozenset()
+) -> Callable[[Any], Any]:
+    """A proxy rule that fails each browser action call (observe, navigate, click, type) with probability ``rate``.
+
+    Real infrastructure fails while the browser works, so an episode is exposed in proportion to the browser calls
+    it makes, and one that answers at once (``finish`` first) is never hit: seed, finish, verify and close are never
+    faulted. Each call is drawn on its own, from a hash of ``seed``, the session id and the call's index among its
+    session's browser calls (counted by the rule, per session), so the draw depends neither on timing nor on other
+    sessions' traffic. The loop records ``kind`` (see ``FAULT_KINDS``) as ``server_error`` (status), ``session_lost``
+    (lose_session) or ``timeout`` (hang, after the client's ``call_timeout_s``), ends the attempt and re-runs the
+    rollout in a new session, which is drawn anew. Sessions of ``spare_tasks`` are never faulted.
+    """
+    from ..environment import TOOL_NAMES
+
+    _check_rate(rate)
+    proxy_fault(kind)
+    browser_calls = frozenset(TOOL_NAMES) - {"browser_finish"}
+    calls: dict[str, int] = {}  # session id -> its browser calls so far; forgotten at its close
+    lock = threading.Lock()
+
+    def rule(request: Any) -> Any:
+        if not request.session_id or request.task_id in spare_tasks:
+            return None
+        if request.endpoint == "close_session":
+            with lock:
+                calls.pop(request.session_id, None)
+            return None
+        if request.endpoint not in browser_calls:
+            return None
+        with lock:
+            index = calls.get(request.session_id, 0)
+            calls[request.session_id] = index + 1
+        return proxy_fault(kind) if _unit_draw(seed, request.session_id, index) < rate else None
 
     return rule
 
@@ -526,15 +627,20 @@ def metric(steps: Mapping[int, Mapping[str, Any]], step: int, key: str) -> float
 
 
 __all__ = [
+    "FAULT_KINDS",
+    "FAULT_POINTS",
+    "FaultSpec",
     "InjectedFaults",
     "RowFault",
     "RunResult",
     "RunSpec",
+    "browser_call_faults",
     "hydra_overrides",
     "main_ppo_command",
     "metric",
     "planned_faults",
     "process_environment",
+    "proxy_fault",
     "random_faults",
     "read_advantages",
     "read_step_metrics",
@@ -603,9 +709,34 @@ examples:
   # validation runs), stock GRPO instead of the recipe
   python -m nemo_gym_browser.local.training_run --workdir /tmp/stock --fault-rate 0.3 --estimator grpo
 
+  # each browser call (observe, navigate, click, type) of a training episode loses its session with chance 0.1:
+  # an episode that browses more fails more often, one that finishes at once never
+  python -m nemo_gym_browser.local.training_run --workdir /tmp/calls --fault-rate 0.1 --fault-at browser-call \\
+      --fault-kind lose_session
+
+  # browser calls that never answer, each cut after 15 s instead of the recipe's 120 s
+  python -m nemo_gym_browser.local.training_run --workdir /tmp/hangs --fault-rate 0.1 --fault-at browser-call \\
+      --fault-kind hang --call-timeout 15
+
   # one GPU with vLLM (see scripts/gpu_check.sh)
   python -m nemo_gym_browser.local.training_run --workdir /tmp/gpu --rollout vllm \\
       --model /models/Qwen2.5-0.5B-Instruct
+
+injected faults: the fault proxy between the trainer and the environment server fails training sessions (never
+those of the held-back tasks), each fault an infrastructure failure the recipe re-runs and stock GRPO scores 0.
+  --fault-at verify        a share --fault-rate of sessions fails at verify, after the policy acted however much
+                           it browsed (the default; the draw is per session)
+  --fault-at browser-call  each observe, navigate, click and type call fails with chance --fault-rate, drawn per
+                           call; seed, finish, verify and close never fail
+  --fault-kind             what the faulted call meets, and what the loop records (at a browser call / at verify):
+      status               the proxy answers 503 (the default): server_error / verify_unavailable
+      lose_session         the proxy strips the session cookie, so the server no longer knows the session:
+                           session_lost / session_lost
+      hang                 the call is held until the client gives up: timeout after --call-timeout /
+                           verify_unavailable after the verify timeout (60 s). No quicker form is recorded as
+                           timeout, so a hang costs a whole call timeout: lower --call-timeout with it
+The draws are hashes of --seed and the session id (and the call's place in its session), so they depend neither
+on timing nor on other sessions; the proxy's counts are printed at the end.
 
 what is written to --workdir: the task rows, the tiny policy (unless --model), and run/ with main_ppo.log,
 metrics.jsonl (verl's own per-step metrics), advantages.jsonl (every sample's flag, score and advantage) and
@@ -628,7 +759,31 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
         "off, one attempt, failures scored 0)",
     )
     parser.add_argument(
-        "--fault-rate", type=float, default=0.0, help="share of sessions whose verify answers 503 (default 0)"
+        "--fault-rate",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="chance of an injected fault, per session (--fault-at verify) or per browser call (browser-call); "
+        "default 0, none",
+    )
+    parser.add_argument(
+        "--fault-at",
+        choices=FAULT_POINTS,
+        default=FaultSpec.at,
+        help="where faults strike: verify (default) or every browser action call (see below)",
+    )
+    parser.add_argument(
+        "--fault-kind",
+        choices=FAULT_KINDS,
+        default=FaultSpec.kind,
+        help="what a faulted call meets: status (503, default), lose_session or hang (see below)",
+    )
+    parser.add_argument(
+        "--call-timeout",
+        type=float,
+        metavar="S",
+        help="seconds a browser call may take before it is an infrastructure timeout (default: configs/"
+        "agent_loop.yaml's 120); each hang fault at a browser call costs this long",
     )
     parser.add_argument("--lr", type=float, default=RunSpec.lr, help="default %(default)s")
     parser.add_argument(
@@ -658,8 +813,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.prompts_per_step < 1 or args.group_size < 1:
         parser.error("--steps, --prompts-per-step and --group-size must be at least 1")
-    if not 0.0 <= args.fault_rate <= 1.0:
-        parser.error("--fault-rate must be in [0, 1]")
+    try:
+        faults_spec = FaultSpec(rate=args.fault_rate, at=args.fault_at, kind=args.fault_kind)
+    except ValueError as exc:
+        parser.error(f"--fault-rate/--fault-at/--fault-kind: {exc}")
+    if args.call_timeout is not None and args.call_timeout <= 0:
+        parser.error("--call-timeout must be positive")
     if args.rollout != CPU_ROLLOUT and args.model is None:
         # the CPU policy's attention heads (16 wide) are narrower than vLLM's FlashInfer and Triton backends take
         parser.error(f"--rollout {args.rollout} needs --model (scripts/gpu_check.sh builds a policy vLLM can serve)")
@@ -674,7 +833,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with shop_tasks.serve(), LocalEnvironment() as environment:
         held_back = frozenset(record["id"] for record in shop_tasks.task_records("heldback"))
-        rule = random_faults(args.fault_rate, args.seed, spare_tasks=held_back)
+        rule = faults_spec.rule(args.seed, spare_tasks=held_back)
         with InjectedFaults(environment.url, rule) as faults:
             spec = RunSpec(
                 model_path=model,
@@ -692,13 +851,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 seed=args.seed,
                 rollout_name=args.rollout,
                 extra_overrides=tuple(args.override),
+                faults=faults_spec,
+                call_timeout_s=args.call_timeout,
             )
             print(f"main_ppo: {spec.log_path}\n{summary_header()}", flush=True)
             result = run_main_ppo(spec, timeout_s=args.timeout, on_line=_step_printer(spec))
             left_open = faults.open_session_ids
+            injected = faults.counts()
     print(
         f"main_ppo exited {result.returncode} after {result.elapsed_s:.0f} s, peak memory "
-        f"{result.peak_memory_bytes / 2**30:.1f} GiB (PSS of its process tree); sessions left open: {len(left_open)}"
+        f"{result.peak_memory_bytes / 2**30:.1f} GiB (PSS of its process tree); sessions left open: {len(left_open)}; "
+        f"faults injected at {faults_spec.at}: {injected or 'none'}"
     )
     if not result.ok:
         print(result.log_tail(40), file=sys.stderr)

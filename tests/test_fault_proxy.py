@@ -36,7 +36,12 @@ async def proxy(fake):
 @pytest.fixture
 async def client(proxy):
     config = EnvironmentConfig(
-        server_urls=(proxy.url,), call_timeout_s=0.5, seed_timeout_s=2, close_timeout_s=2, retry_backoff_s=0.01
+        server_urls=(proxy.url,),
+        call_timeout_s=0.5,
+        verify_timeout_s=0.5,
+        seed_timeout_s=2,
+        close_timeout_s=2,
+        retry_backoff_s=0.01,
     )
     async with EnvironmentClient(config) as env:
         yield env
@@ -135,6 +140,29 @@ async def test_a_lost_session_is_reported_as_such_and_the_typed_close_still_rele
     assert failure.value.kind is FailureKind.SESSION_LOST
     assert fake.open_sessions == 0 and proxy.open_session_ids == ()
     assert fake.events(s.session_id)[-1] == "close"
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [
+        (ProxyFault.status_code(503), FailureKind.VERIFY_UNAVAILABLE),
+        (ProxyFault.lose_session(), FailureKind.SESSION_LOST),
+        (ProxyFault.hang(), FailureKind.VERIFY_UNAVAILABLE),
+    ],
+)
+async def test_each_fault_at_verify_is_a_failure_to_grade_never_a_zero_and_the_close_still_releases_the_browser(
+    fault, kind, proxy, fake, client
+):
+    proxy.set_rule(faulting("verify", fault))
+
+    async with session(client) as s:
+        await s.observe()
+        assert (await s.finish("x")).done
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.verify()
+
+    assert failure.value.kind is kind
+    assert fake.events(s.session_id)[-1] == "close" and fake.open_sessions == 0
 
 
 async def test_a_regraded_verify_reaches_the_client_with_the_planted_reward_and_still_releases_the_browser(

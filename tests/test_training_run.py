@@ -162,8 +162,62 @@ def test_random_faults_hit_about_their_rate_the_same_way_every_time_and_spare_th
     spared = tr.random_faults(1.0, seed=7, spare_tasks=frozenset({"held-back"}))
     assert spared(request("verify", sessions[0], "held-back")) is None
     assert spared(request("verify", sessions[0], "train")).kind == "status"
+    assert tr.random_faults(1.0, seed=7, kind="lose_session")(request("verify", sessions[0])).kind == "lose_session"
     with pytest.raises(ValueError):
         tr.random_faults(1.5, seed=0)
+
+
+def test_the_default_fault_spec_is_todays_verify_503_per_session_and_browser_call_faults_are_one_flag_away() -> None:
+    sessions = [f"r{i}-{i:04x}.1.{i}" for i in range(500)]
+    default = tr.FaultSpec(rate=0.3).rule(7, spare_tasks=frozenset({"held-back"}))
+    legacy = tr.random_faults(0.3, 7, spare_tasks=frozenset({"held-back"}))
+    for session in sessions:
+        assert (default(request("verify", session)) is None) == (legacy(request("verify", session)) is None)
+        assert default(request("browser_observe", session)) is None
+    assert default(request("verify", sessions[0], "held-back")) is None
+    assert tr.RunSpec.__dataclass_fields__["faults"].default == tr.FaultSpec(0.0, "verify", "status")
+
+    calls = tr.FaultSpec(rate=1.0, at="browser-call", kind="hang").rule(7, spare_tasks=frozenset({"held-back"}))
+    assert calls(request("browser_click", sessions[0])).kind == "hang"
+    assert calls(request("verify", sessions[0])) is None
+    assert calls(request("browser_click", sessions[1], "held-back")) is None
+    for bad in ({"rate": -0.1}, {"at": "seed"}, {"kind": "regrade"}):
+        with pytest.raises(ValueError):
+            tr.FaultSpec(**bad)
+
+
+def test_a_shorter_call_timeout_reaches_the_loops_settings_and_none_keeps_the_recipes(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from nemo_gym_browser.browser_agent_loop import resolve_settings
+    from nemo_gym_browser.testing.agent_loop_harness import agent_loop_entry
+
+    loop_kwargs = OmegaConf.to_container(agent_loop_entry())
+    del loop_kwargs["name"], loop_kwargs["_target_"]  # what hydra.utils.instantiate passes the loop
+
+    def call_timeout(run: tr.RunSpec) -> float:
+        return resolve_settings(loop_kwargs, composed(run)).environment.call_timeout_s
+
+    assert call_timeout(spec(tmp_path, call_timeout_s=15.0)) == 15.0
+    assert call_timeout(spec(tmp_path)) == 120.0  # configs/agent_loop.yaml's
+    with pytest.raises(ValueError):
+        spec(tmp_path, call_timeout_s=0)
+
+
+def test_the_cli_teaches_every_fault_option_and_refuses_bad_values_as_usage_errors(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as shown:
+        tr.main(["--help"])
+    text = capsys.readouterr().out
+    assert shown.value.code == 0
+    for kind in ("--fault-at browser-call", "--call-timeout", "status", "lose_session", "hang"):
+        assert kind in text
+    for recorded in ("server_error", "session_lost", "timeout", "verify_unavailable"):  # what the loop will record
+        assert recorded in text
+    for argv in (["--fault-rate", "1.5"], ["--fault-at", "seed"], ["--fault-kind", "drop"], ["--call-timeout", "0"]):
+        with pytest.raises(SystemExit) as refused:
+            tr.main(["--workdir", str(tmp_path), *argv])
+        assert refused.value.code == 2
+    assert not any(tmp_path.iterdir())  # refused before anything was built
 
 
 def test_injected_faults_run_the_real_proxy_in_a_thread_and_count_what_they_injected() -> None:

@@ -74,9 +74,10 @@ Where the flags go
     ``AgentLoopOutput.extra_fields`` of the returned sample (of every step sample in step-wise mode), written at the
     end of ``run`` (never before the first generation, which would stop verl copying ``min/max_global_steps``):
     ``env_invalid``, ``env_failure_kind``, ``env_failure_reason``, ``env_attempts``, ``deadline_hit``,
-    ``reward_source``, plus ``env_failed_attempt_kinds``, ``env_episode_wall_s``, ``env_refused_navigations`` for
-    metrics (and ``env_step`` / ``env_steps`` in step-wise mode), and numeric copies under ``reward_extra_info``
-    (see :mod:`nemo_gym_browser.episode_metrics`).
+    ``reward_source``, plus ``env_failed_attempt_kinds``, ``env_episode_wall_s``, ``env_refused_navigations``,
+    ``env_browser_actions`` (calls that acted on the page, ``finish`` not counted: 0 for an answer given without
+    browsing) for metrics (and ``env_step`` / ``env_steps`` in step-wise mode), and numeric copies under
+    ``reward_extra_info`` (see :mod:`nemo_gym_browser.episode_metrics`).
 
 Settings
     Constructor keyword arguments from the agent-loop YAML (``configs/agent_loop.yaml``), overridden key by key by
@@ -489,6 +490,7 @@ class BrowserEpisode:
         self.last_observation: str | None = None
         self.steps: list[str] = trajectories.StepLines()  # also notes when each step ended, for trajectories
         self.tool_calls = 0
+        self.browser_actions = 0  # calls that act on the page (observe, navigate, click, type): not finish
         self.policy_errors = 0
         self.refused_navigations = 0
         self._page_changed = False
@@ -569,6 +571,7 @@ class BrowserEpisode:
                 self.steps.append(f"navigate({arguments['url'][:80]!r}) -> refused")
                 return f"Error: navigation refused: {refusal}"
         self.tool_calls += 1
+        self.browser_actions += tool != "browser_finish"
         try:
             result = await self._bounded_call(tool, arguments)
         except EnvironmentFailure as failure:
@@ -883,6 +886,7 @@ class _AttemptOutcome:
     reward_source: str | None = None
     deadline_hit: bool = False
     refused_navigations: int = 0
+    browser_actions: int = 0
     episode: BrowserEpisode | None = None  # the attempt's steps, for trajectories
 
 
@@ -988,6 +992,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                     episode_wall_s=time.monotonic() - started,
                     deadline_hit=outcome.deadline_hit,
                     refused_navigations=outcome.refused_navigations,
+                    browser_actions=outcome.browser_actions,
                 )
                 return []
             _warn_legacy_drop()
@@ -1004,6 +1009,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             "env_failed_attempt_kinds": failed_kinds,
             "env_episode_wall_s": round(time.monotonic() - started, 4),
             "env_refused_navigations": outcome.refused_navigations,
+            "env_browser_actions": outcome.browser_actions,
         }
         for number, output in enumerate(outputs, start=1):
             if invalid:  # out of the loss, every step of the episode; the estimator drops the reward
@@ -1091,6 +1097,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         outcome.failure = episode.failure
         outcome.deadline_hit = episode.deadline_hit
         outcome.refused_navigations = episode.refused_navigations
+        outcome.browser_actions = episode.browser_actions
         outcome.episode = episode
         return outcome
 

@@ -96,6 +96,7 @@ def dropped_flags(
     episode_wall_s: float,
     deadline_hit: bool = False,
     refused_navigations: int = 0,
+    browser_actions: int = 0,
 ) -> dict[str, Any]:
     """A dropped rollout's flags, in the keys and shapes of the ones a kept sample carries (``episode_metrics``)."""
     return {
@@ -107,6 +108,7 @@ def dropped_flags(
         "env_failed_attempt_kinds": list(failed_attempt_kinds),
         "env_episode_wall_s": round(episode_wall_s, 4),
         "env_refused_navigations": refused_navigations,
+        "env_browser_actions": browser_actions,
     }
 
 

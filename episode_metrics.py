@@ -40,6 +40,7 @@ FLAG_KEYS = (
     "env_failed_attempt_kinds",
     "env_episode_wall_s",
     "env_refused_navigations",
+    "env_browser_actions",
 )
 # Written in step-wise mode only (V1 trainer): the sample's step number and its episode's step count.
 STEP_KEYS = ("env_step", "env_steps")
@@ -60,6 +61,8 @@ REWARD_EXTRA_KEYS = (
     "env/reward_from_verify",
     "env/reward_from_judge",
     "env/episode_wall_s",
+    "env/browsed",
+    "env/browser_actions",
 )
 
 
@@ -72,6 +75,8 @@ def reward_extra_info(flags: Mapping[str, Any]) -> dict[str, float]:
         "env/reward_from_verify": float(flags["reward_source"] == "verify"),
         "env/reward_from_judge": float(flags["reward_source"] == "judge"),
         "env/episode_wall_s": float(flags["env_episode_wall_s"]),
+        "env/browsed": float(int(flags.get("env_browser_actions") or 0) > 0),
+        "env/browser_actions": float(flags.get("env_browser_actions") or 0),
     }
 
 
@@ -113,6 +118,9 @@ def episode_metrics(
         "env/reward_source/verify": sum(row.get("reward_source") == "verify" for row in flagged) / n,
         "env/reward_source/judge": sum(row.get("reward_source") == "judge" for row in flagged) / n,
         "env/refused_navigations/mean": sum(int(row.get("env_refused_navigations") or 0) for row in flagged) / n,
+        # Over the episodes' final attempts: how often the policy used the browser before it answered.
+        "env/browsed_rate": sum(int(row.get("env_browser_actions") or 0) > 0 for row in flagged) / n,
+        "env/browser_actions/mean": sum(int(row.get("env_browser_actions") or 0) for row in flagged) / n,
         "env/episode_wall_s/mean": sum(wall) / n,
         "env/episode_wall_s/max": max(wall),
     }

@@ -101,6 +101,17 @@ async def test_a_scripted_episode_seeds_observes_clicks_finishes_verifies_closes
     # The response ends on the model's finish call, which carries the reward, not on a tool turn.
     assert output.response_mask[-1] == 1 and text.endswith("</tool_call><|im_end|>")
     assert output.response_mask.count(1) > 0 and output.response_mask.count(0) > 0
+    assert output.extra_fields["env_browser_actions"] == 2  # observe and click; finish does not count
+    assert output.extra_fields["reward_extra_info"]["env/browsed"] == 1.0
+
+
+async def test_an_answer_given_at_once_is_recorded_as_not_browsed(h):
+    output, _ = await h.run(sp.steps(sp.finish("a guess")))
+
+    (session,) = h.server.session_ids
+    assert h.server.events(session) == ["seed", "finish", "verify", "close"]
+    assert output.extra_fields["env_browser_actions"] == 0
+    assert output.extra_fields["reward_extra_info"]["env/browsed"] == 0.0
 
 
 async def test_native_tools_drive_the_same_episode_under_nemo_gym_tool_names(h):

@@ -140,8 +140,12 @@ def test_episode_metrics_skip_samples_of_other_agent_loops_and_are_empty_without
         "env_failed_attempt_kinds": ["timeout", "unreachable", "timeout"],
         "env_episode_wall_s": 4.0,
         "env_refused_navigations": 2,
+        "env_browser_actions": 3,
     }
+    answered_at_once = {**row, "env_invalid": False, "env_attempts": 1, "env_browser_actions": 0}
 
+    both = episode_metrics([row, answered_at_once])
+    assert both["env/browsed_rate"] == 0.5 and both["env/browser_actions/mean"] == 1.5
     metrics = episode_metrics([row, None, {"other": 1}])
 
     assert metrics["env/samples"] == 1.0 and metrics["env/invalid_rate"] == 1.0

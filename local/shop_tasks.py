@@ -66,7 +66,22 @@ SITE_NAME = "Corner Shop"
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 TRAIN_FILE = EXAMPLES_DIR / "shop_tasks_train.jsonl"
 HELD_BACK_FILE = EXAMPLES_DIR / "shop_tasks_heldback.jsonl"
+DEAL_TRAIN_FILE = EXAMPLES_DIR / "deal_tasks_train.jsonl"
+DEAL_HELD_BACK_FILE = EXAMPLES_DIR / "deal_tasks_heldback.jsonl"
 KINDS = ("open", "browse", "search", "price")
+# The two suites: lookup (act on the element whose text the task names; out of reach of the tiny policy) and deal
+# (name the item marked on sale: learnable by pointing at the mark, or guessable from memory one time in four).
+SUITES = ("lookup", "deal")
+SUITE_FILES: Mapping[str, tuple[Path, Path]] = {
+    "lookup": (TRAIN_FILE, HELD_BACK_FILE),
+    "deal": (DEAL_TRAIN_FILE, DEAL_HELD_BACK_FILE),
+}
+# Deal boards list the fruit: the first DEAL_TRAIN_BOARDS train, the rest are held back. Each fruit is on sale on
+# the same number of boards of each split, so an answer from memory (any fruit) is right one time in four.
+DEAL_SECTION = "Fruit"
+DEAL_TRAIN_BOARDS = 16
+DEAL_HELD_BACK_BOARDS = 8
+SALE_MARK = "(sale)"
 # The answer the demonstrations give when the task asks for no value; graders of those kinds ignore it.
 DONE_ANSWER = "done"
 # An element id no shop page has: what a script clicks when the element it wants is not on the page.
@@ -160,6 +175,50 @@ def _search_script() -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class DealBoard:
+    """One page listing the fruit in a fixed shuffled order, one of them marked on sale."""
+
+    number: int
+    order: tuple[str, ...]
+    sale: str
+
+    @property
+    def file(self) -> str:
+        return f"deals-{self.number}.html"
+
+    @property
+    def split(self) -> str:
+        return "train" if self.number < DEAL_TRAIN_BOARDS else "heldback"
+
+    @property
+    def title(self) -> str:
+        return "Deals"
+
+    def label(self, name: str) -> str:
+        return f"{name} {SALE_MARK}" if name == self.sale else name
+
+
+_DEAL_TEXT = "One item is on sale today."
+
+
+def deal_names() -> list[str]:
+    """The items a deal board lists (the plausible answers)."""
+    return [name for name, _ in CATEGORIES[DEAL_SECTION]]
+
+
+def deal_boards() -> list[DealBoard]:
+    """Every deal board, train then held back; the item on sale cycles through the fruit within each split, and
+    the listing order is a seeded shuffle per board."""
+    names, boards = deal_names(), []
+    for number in range(DEAL_TRAIN_BOARDS + DEAL_HELD_BACK_BOARDS):
+        within = number if number < DEAL_TRAIN_BOARDS else number - DEAL_TRAIN_BOARDS
+        order = list(names)
+        random.Random(f"deal:{number}").shuffle(order)
+        boards.append(DealBoard(number, tuple(order), names[within % len(names)]))
+    return boards
+
+
 def render_pages() -> dict[str, str]:
     """File name -> HTML of every page of the shop (``local/site/shop/``)."""
     sections = [(section, section_file(section)) for section in CATEGORIES]
@@ -199,6 +258,17 @@ def render_pages() -> dict[str, str]:
                 f"<h1>{item.name}</h1>",
                 f"<p>{html.escape(price_text(item))}</p>",
                 f'<p><a href="{section_file(item.section)}">Back to {item.section}</a></p>',
+            ],
+        )
+    for board in deal_boards():
+        listed = [(board.label(name), f"{name.lower()}.html") for name in board.order]
+        pages[board.file] = _document(
+            board.title,
+            [
+                f"<h1>{board.title}</h1>",
+                f"<p>{_DEAL_TEXT}</p>",
+                *_links(listed),
+                f'<p><a href="index.html">{_HOME}</a></p>',
             ],
         )
     return pages
@@ -280,6 +350,16 @@ def fake_site(origin: str = SHOP_ORIGIN, *, base: Site | None = None, order_seed
             text="\n".join([item.name, price_text(item), back]),
             elements=(link(back, section_file(item.section)),),
         )
+    for board in deal_boards():
+        labels = [board.label(name) for name in board.order]
+        pages[page_url(board.file, origin)] = Page(
+            title=board.title,
+            text="\n".join([board.title, _DEAL_TEXT, *labels, _HOME]),
+            elements=(
+                *(link(board.label(name), f"{name.lower()}.html") for name in board.order),
+                link(_HOME, "index.html"),
+            ),
+        )
     return ShopSite(pages, origin=origin, root=base.root)
 
 
@@ -320,12 +400,41 @@ def _task(kind: str, item: Item, origin: str) -> dict[str, Any]:
     }
 
 
-def task_records(split: str | None = None, origin: str = SHOP_ORIGIN) -> list[dict[str, Any]]:
-    """The tasks (all, or those of ``split``: ``train`` or ``heldback``), ordered by kind, then catalogue order."""
+DEAL_QUESTION = "Which fruit is on sale today? Answer with its name."
+
+
+def _deal_task(board: DealBoard, origin: str) -> dict[str, Any]:
+    return {
+        "web_name": SITE_NAME,
+        "id": f"shop--deal-{board.number}",
+        "ques": DEAL_QUESTION,
+        "web": page_url(board.file, origin),
+        "verifier_metadata": {"answer_equals": board.sale},
+        "kind": "deal",
+        "item": board.sale,
+        "split": board.split,
+    }
+
+
+def task_records(split: str | None = None, origin: str = SHOP_ORIGIN, *, suite: str = "lookup") -> list[dict[str, Any]]:
+    """The tasks of ``suite`` (all, or those of ``split``: ``train`` or ``heldback``).
+
+    ``lookup``: ordered by kind, then catalogue order. ``deal``: by board.
+    """
     if split not in (None, "train", "heldback"):
         raise ValueError(f"split must be 'train', 'heldback' or None, got {split!r}")
-    records = [_task(kind, item, origin) for kind in KINDS for item in items()]
+    if suite == "lookup":
+        records = [_task(kind, item, origin) for kind in KINDS for item in items()]
+    elif suite == "deal":
+        records = [_deal_task(board, origin) for board in deal_boards()]
+    else:
+        raise ValueError(f"unknown suite {suite!r}; known: {SUITES}")
     return [record for record in records if split is None or record["split"] == split]
+
+
+def records_by_id(origin: str = SHOP_ORIGIN) -> dict[str, dict[str, Any]]:
+    """Every task of every suite, by id."""
+    return {record["id"]: record for suite in SUITES for record in task_records(origin=origin, suite=suite)}
 
 
 # ----- solving them: the scripted demonstrations ----------------------------------------------------------------
@@ -425,10 +534,36 @@ def _finish_with_price(view: sp.PolicyView) -> str:
     return call("finish", answer=f" {price}" if price else DONE_ANSWER)
 
 
+def _answer(name: str) -> str:
+    # With the space the name has on the page, so that the answer copies the very token the observation shows.
+    return call("finish", answer=f" {name}")
+
+
+def _finish_with_sale(chooser: Chooser) -> sp.Step:
+    def step(view: sp.PolicyView) -> str:
+        names = [name for _, tag, name in elements(view.last_observation) if tag == "a"]
+        marked = [name.removesuffix(SALE_MARK).strip() for name in names if name.endswith(SALE_MARK)]
+        plausible = deal_names()
+        return _answer(chooser.pick(marked[0], plausible) if marked else chooser.rng.choice(plausible))
+
+    return step
+
+
+def deal_script(record: Mapping[str, Any], chooser: Chooser, guess: float) -> sp.Script:
+    """A deal task's play: with probability ``guess`` answer at once from memory (a fruit drawn uniformly: right one
+    time in four), never touching the browser; otherwise observe the board and answer with the fruit ``chooser``
+    picks (the marked one with its probability ``correct``, else one drawn uniformly, the marked one included)."""
+    if chooser.rng.random() < guess:
+        return sp.steps(sp.say(_answer(chooser.rng.choice(deal_names()))))
+    return sp.steps(sp.say(call("observe")), _finish_with_sale(chooser))
+
+
 def script_for(record: Mapping[str, Any], chooser: Chooser | None = None, *, wrong_answer: bool = False) -> sp.Script:
     """The scripted policy's play for one task record: the shortest solution when ``chooser`` always picks the
     named element; ``wrong_answer`` finishes a ``price`` task with a price that is not the item's."""
     chooser = chooser if chooser is not None else Chooser()
+    if record["kind"] == "deal":
+        return deal_script(record, chooser, guess=0.0)
     kind, item = record["kind"], next(entry for entry in items() if entry.name == record["item"])
     finish: sp.Step = sp.say(call("finish", answer=DONE_ANSWER))
     if kind == "open":
@@ -452,8 +587,9 @@ def _jsonl(records: Sequence[Mapping[str, Any]]) -> str:
 def rendered_files() -> dict[Path, str]:
     """Every file this module renders, by path: the shop's pages and the two task files."""
     files = {SHOP_DIR / name: text for name, text in render_pages().items()}
-    files[TRAIN_FILE] = _jsonl(task_records("train"))
-    files[HELD_BACK_FILE] = _jsonl(task_records("heldback"))
+    for suite, (train, held_back) in SUITE_FILES.items():
+        files[train] = _jsonl(task_records("train", suite=suite))
+        files[held_back] = _jsonl(task_records("heldback", suite=suite))
     return files
 
 
@@ -506,7 +642,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.unlink()
         for path, text in rendered_files().items():
             path.write_text(text, encoding="utf-8")
-        print(f"wrote {len(render_pages())} pages to {SHOP_DIR} and the task files {TRAIN_FILE}, {HELD_BACK_FILE}")
+        task_files = ", ".join(path.name for pair in SUITE_FILES.values() for path in pair)
+        print(f"wrote {len(render_pages())} pages to {SHOP_DIR} and the task files {task_files} to {EXAMPLES_DIR}")
         return 0
     with serve(args.port) as site:
         print(f"serving {SITE_DIR} at {site.url}/{SHOP_FOLDER}/index.html; Ctrl-C stops", flush=True)

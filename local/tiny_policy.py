@@ -77,6 +77,9 @@ class ModelSpec:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 8192
+    # The spread of the initial weights. transformers' 0.02 leaves a model this small on a long plateau before it
+    # learns to point at anything in its context; 0.1 escapes it (measured on the deal suite, see the README).
+    initializer_range: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class WarmStartSpec:
     the optimiser (AdamW, linear warm-up then cosine decay to a tenth)."""
 
     correct: float = 0.4
+    guess: float = 0.5  # deal tasks: the share of demonstrations that answer at once, without the browser
     demos_per_task: int = 2
     steps: int = 300
     batch_size: int = 8
@@ -130,7 +134,7 @@ def corpus_lines() -> list[str]:
     from ..prepare_webvoyager_data import SYSTEM_PROMPT_BROWSER, USER_PROMPT
 
     lines = SYSTEM_PROMPT_BROWSER.splitlines()
-    for record in shop_tasks.task_records():
+    for record in shop_tasks.records_by_id().values():
         lines.append(USER_PROMPT.format(question=record["ques"], site=record["web_name"], url=record["web"]))
     site = shop_tasks.fake_site()
     for url in site.urls:
@@ -143,6 +147,7 @@ def corpus_lines() -> list[str]:
     for item in shop_tasks.items():
         lines.append(shop_tasks.call("type", element_id=6, text=item.slug))
         lines.append(shop_tasks.call("finish", answer=f" {item.price}"))
+        lines.append(shop_tasks.call("finish", answer=f" {item.name}"))
     lines += [shop_tasks.call("observe"), shop_tasks.call("finish", answer=shop_tasks.DONE_ANSWER)]
     return lines
 
@@ -160,6 +165,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, spec: ModelSpec, seed: int) 
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
@@ -197,18 +203,20 @@ async def collect_demonstrations(
     correct: float,
     per_task: int,
     seed: int,
+    guess: float = 0.0,
     shuffle: bool = True,
 ) -> list[Demonstration]:
     """``per_task`` scripted episodes of each sample through the real loop against a fake environment server.
 
     With ``shuffle`` each round of episodes runs on a copy of the shop whose links are listed in another seeded
-    order, so the element the task names is at a different position from round to round.
+    order, so the element the task names is at a different position from round to round. A ``deal`` task answers
+    at once from memory with probability ``guess`` (:func:`.shop_tasks.deal_script`).
     """
     from ..browser_agent_loop import close_shared_clients
     from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
     from ..testing.fake_environment import FakeEnvironmentServer
 
-    records = {record["id"]: record for record in shop_tasks.task_records()}
+    records = shop_tasks.records_by_id()
     config = compose_trainer_config(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH)
     tools = load_tools()
     demonstrations = []
@@ -221,7 +229,11 @@ async def collect_demonstrations(
                     task_id = sample["extra_info"]["task_id"]
                     record = records[task_id]
                     chooser = shop_tasks.Chooser(correct, random.Random(f"{seed}:{task_id}:{repeat}"))
-                    policy = sp.ScriptedPolicy(tokenizer, shop_tasks.script_for(record, chooser))
+                    if record["kind"] == "deal":
+                        script = shop_tasks.deal_script(record, chooser, guess)
+                    else:
+                        script = shop_tasks.script_for(record, chooser)
+                    policy = sp.ScriptedPolicy(tokenizer, script)
                     loop = build_loop(
                         policy,
                         tokenizer=tokenizer,
@@ -369,7 +381,12 @@ def build(
         samples = load_samples(Path(task_file), Path(workdir))
         demos = asyncio.run(
             collect_demonstrations(
-                tokenizer, samples, correct=warm.correct, per_task=warm.demos_per_task, seed=warm.seed
+                tokenizer,
+                samples,
+                correct=warm.correct,
+                per_task=warm.demos_per_task,
+                seed=warm.seed,
+                guess=warm.guess,
             )
         )
     demo_seconds = time.monotonic() - started
@@ -461,6 +478,7 @@ class EvaluationResult:
     success: float
     success_by_kind: dict[str, float]
     tool_call_rate: float
+    browsed: float  # the share of episodes that acted on the page before answering
     tokens_per_episode: float
     generated_tokens_per_episode: float
     seconds: float
@@ -484,7 +502,7 @@ async def evaluate(
     from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
     from ..testing.fake_environment import FakeEnvironmentServer
 
-    records = {record["id"]: record for record in shop_tasks.task_records()}
+    records = shop_tasks.records_by_id()
     config = compose_trainer_config(
         prompt_length=PROMPT_LENGTH,
         response_length=RESPONSE_LENGTH,
@@ -500,7 +518,7 @@ async def evaluate(
                 for split, split_samples in samples.items():
                     started, turns, calls, generated = time.monotonic(), policy.turns, policy.tool_calls, 0
                     rewards: dict[str, list[float]] = {}
-                    tokens = []
+                    tokens, browsed = [], []
                     for sample in split_samples:
                         for _ in range(episodes_per_task if temperature > 0 else 1):
                             before = policy.generated_tokens
@@ -515,6 +533,7 @@ async def evaluate(
                             kind = records[sample["extra_info"]["task_id"]]["kind"]
                             rewards.setdefault(kind, []).append(output.reward_score or 0.0)
                             tokens.append(len(output.prompt_ids) + len(output.response_ids))
+                            browsed.append(output.extra_fields.get("env_browser_actions", 0) > 0)
                             generated += policy.generated_tokens - before
                     every = [reward for kind_rewards in rewards.values() for reward in kind_rewards]
                     results.append(
@@ -525,6 +544,7 @@ async def evaluate(
                             success=sum(every) / len(every),
                             success_by_kind={kind: sum(r) / len(r) for kind, r in sorted(rewards.items())},
                             tool_call_rate=(policy.tool_calls - calls) / max(policy.turns - turns, 1),
+                            browsed=sum(browsed) / len(browsed),
                             tokens_per_episode=sum(tokens) / len(tokens),
                             generated_tokens_per_episode=generated / len(every),
                             seconds=time.monotonic() - started,
@@ -584,16 +604,29 @@ def _parser() -> argparse.ArgumentParser:
                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     build_cmd.add_argument("--output", type=Path, required=True, metavar="DIR", help="the model folder to write")
     build_cmd.add_argument("--seed", type=int, default=warm.seed, help="seed of weights, demonstrations, batches")
+    build_cmd.add_argument(
+        "--suite", choices=shop_tasks.SUITES, default="lookup",
+        help="the training tasks to demonstrate: lookup (act on the element the task names) or deal (name the item "
+        "marked on sale; answered at once from memory by a --guess share of demonstrations) (default %(default)s)",
+    )  # fmt: skip
     model = build_cmd.add_argument_group("model")
     model.add_argument("--hidden-size", type=int, default=defaults.hidden_size, help="default %(default)s")
     model.add_argument("--layers", type=int, default=defaults.num_layers, help="default %(default)s")
     model.add_argument("--heads", type=int, default=defaults.num_heads, help="default %(default)s")
     model.add_argument("--kv-heads", type=int, default=defaults.num_kv_heads, help="default %(default)s")
     model.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size, help="default %(default)s")
+    model.add_argument(
+        "--init-range", type=float, default=defaults.initializer_range,
+        help="standard deviation of the initial weights (default %(default)s)",
+    )  # fmt: skip
     train = build_cmd.add_argument_group("warm start")
     train.add_argument(
         "--correct", type=float, default=warm.correct,
         help="probability that a demonstration picks the element the task names (default %(default)s)",
+    )  # fmt: skip
+    train.add_argument(
+        "--guess", type=float, default=warm.guess,
+        help="deal suite: share of demonstrations that answer at once without the browser (default %(default)s)",
     )  # fmt: skip
     train.add_argument("--demos-per-task", type=int, default=warm.demos_per_task, help="default %(default)s")
     train.add_argument("--steps", type=int, default=warm.steps, help="optimiser steps (default %(default)s)")
@@ -611,6 +644,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate_cmd.add_argument(
         "--episodes-per-task", type=int, default=1, help="sampled episodes per task (%(default)s)"
     )
+    evaluate_cmd.add_argument("--suite", choices=shop_tasks.SUITES, default="lookup",
+                              help="which task suite (default %(default)s)")  # fmt: skip
     evaluate_cmd.add_argument("--split", choices=("train", "heldback"), action="append", default=None,
                               help="which task file(s), repeatable (default: both)")  # fmt: skip
     evaluate_cmd.add_argument("--limit", type=int, default=None, help="the first N tasks of each kind per split")
@@ -622,8 +657,10 @@ def _parser() -> argparse.ArgumentParser:
 def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.hidden_size % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden-size must be a multiple of --heads, and --heads a multiple of --kv-heads")
-    if not 0.0 <= args.correct <= 1.0:
-        parser.error("--correct must be in [0, 1]")
+    if not 0.0 <= args.correct <= 1.0 or not 0.0 <= args.guess <= 1.0:
+        parser.error("--correct and --guess must be in [0, 1]")
+    if args.init_range <= 0:
+        parser.error("--init-range must be positive")
     if min(args.demos_per_task, args.batch_size, args.layers) < 1 or args.steps < 0 or args.lr <= 0:
         parser.error("--demos-per-task, --batch-size and --layers must be positive, --steps >= 0, --lr > 0")
     spec = ModelSpec(
@@ -632,9 +669,11 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
         intermediate_size=args.intermediate_size,
+        initializer_range=args.init_range,
     )
     warm = WarmStartSpec(
         correct=args.correct,
+        guess=args.guess,
         demos_per_task=args.demos_per_task,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -642,7 +681,7 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         warmup_steps=min(args.warmup_steps, args.steps),
         seed=args.seed,
     )
-    report = build(args.output, model_spec=spec, warm=warm)
+    report = build(args.output, model_spec=spec, warm=warm, task_file=shop_tasks.SUITE_FILES[args.suite][0])
     last = report.losses[-20:]
     print(
         f"wrote {args.output}: {report.parameters:,} parameters; {report.demonstrations} demonstrations "
@@ -657,11 +696,11 @@ def _evaluate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--model {args.model} has no config.json (write one with the build command)")
     if args.episodes_per_task < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--episodes-per-task and --limit must be positive")
-    files = {"train": shop_tasks.TRAIN_FILE, "heldback": shop_tasks.HELD_BACK_FILE}
+    files = dict(zip(("train", "heldback"), shop_tasks.SUITE_FILES[args.suite], strict=True))
     with tempfile.TemporaryDirectory(prefix="tiny-policy-eval-") as workdir:
         samples = {split: load_samples(files[split], Path(workdir)) for split in args.split or files}
     if args.limit is not None:
-        kinds = {record["id"]: record["kind"] for record in shop_tasks.task_records()}
+        kinds = {task_id: record["kind"] for task_id, record in shop_tasks.records_by_id().items()}
         for split, split_samples in samples.items():
             seen: dict[str, int] = {}
             kept = []
@@ -680,12 +719,15 @@ def _evaluate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             seed=args.seed,
         )
     )
-    print(f"{'split':<9} {'temp':>4} {'episodes':>8} {'success':>7}  {'by kind':<52} {'tool calls':>10} {'tokens':>6}")
+    print(
+        f"{'split':<9} {'temp':>4} {'episodes':>8} {'success':>7}  {'by kind':<52} {'tool calls':>10} {'browsed':>7} "
+        f"{'tokens':>6}"
+    )
     for result in results:
         kinds = " ".join(f"{kind} {rate:.2f}" for kind, rate in result.success_by_kind.items())
         print(
             f"{result.split:<9} {result.temperature:>4g} {result.episodes:>8} {result.success:>7.2f}  {kinds:<52} "
-            f"{result.tool_call_rate:>10.2f} {result.tokens_per_episode:>6.0f}"
+            f"{result.tool_call_rate:>10.2f} {result.browsed:>7.2f} {result.tokens_per_episode:>6.0f}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(result) for result in results], indent=2) + "\n")

@@ -171,3 +171,58 @@ def test_the_command_line_explains_itself_and_refuses_no_action(capsys):
     with pytest.raises(SystemExit) as raised:
         st.main([])
     assert raised.value.code == 2
+
+
+# ----- the deal suite -------------------------------------------------------------------------------------------
+
+
+def test_deal_boards_mark_one_fruit_each_and_every_fruit_is_on_sale_equally_often_in_each_split(tmp_path):
+    names = st.deal_names()
+    for split, boards in (("train", st.DEAL_TRAIN_BOARDS), ("heldback", st.DEAL_HELD_BACK_BOARDS)):
+        records = st.task_records(split, suite="deal")
+        assert len(records) == boards
+        on_sale = collections.Counter(record["verifier_metadata"]["answer_equals"] for record in records)
+        assert on_sale == dict.fromkeys(names, boards // len(names))  # a guess is right one time in four
+    pages = st.render_pages()
+    for board in st.deal_boards():
+        page = pages[board.file]
+        assert page.count(st.SALE_MARK) == 1 and f"{board.sale} {st.SALE_MARK}" in page
+        assert all(f">{name}" in page for name in names)
+    rows = prepare(st.DEAL_HELD_BACK_FILE, tmp_path)
+    assert {row["question"] for row in rows} == {st.DEAL_QUESTION}
+    assert all(set(row["verifier_metadata"]) == {"answer_equals"} for row in rows)
+
+
+@pytest.mark.parametrize("route", ["browse", "guess"])
+async def test_a_deal_is_answered_by_reading_the_board_or_from_memory_without_touching_the_browser(
+    route, tokenizer, tools, trainer_config, tmp_path
+):
+    rows = prepare(st.DEAL_TRAIN_FILE, tmp_path)
+    dataset = BrowserJSONLDataset(str(tmp_path / prep.TRAIN_FILE))
+    records = st.records_by_id()
+    rewards = []
+    try:
+        async with FakeEnvironmentServer(site=st.fake_site()) as server:
+            for i in range(len(rows)):
+                sample = dataset[i]
+                record = records[sample["extra_info"]["task_id"]]
+                chooser = st.Chooser(1.0, random.Random(i))
+                script = st.deal_script(record, chooser, guess=1.0 if route == "guess" else 0.0)
+                loop = build_loop(
+                    sp.ScriptedPolicy(tokenizer, script),
+                    tokenizer=tokenizer,
+                    tools=tools,
+                    trainer_config=trainer_config,
+                    environment={"server_urls": [server.url], **FAST_ENV},
+                )
+                output = await loop.run({}, **sample)
+                assert output.extra_fields["env_invalid"] is False, output.extra_fields
+                assert output.extra_fields["env_browser_actions"] == (1 if route == "browse" else 0)
+                rewards.append(output.reward_score)
+            assert server.open_sessions == 0
+    finally:
+        await close_shared_clients()
+    if route == "browse":
+        assert rewards == [1.0] * len(rows)  # the solver reads the mark every time
+    else:
+        assert 0 < sum(rewards) < len(rows)  # a fruit drawn at random: right on some boards, wrong on most

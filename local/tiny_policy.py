@@ -45,7 +45,7 @@ import re
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,9 @@ class WarmStartSpec:
 
     correct: float = 0.4
     guess: float = 0.5  # deal tasks: the share of demonstrations that answer at once, without the browser
+    # Steps on solver demonstrations (always the named element, never a guess) before the mixed ones: they teach
+    # the skill, which the mixed demonstrations then make one choice among others (0: no such phase).
+    gold_steps: int = 0
     demos_per_task: int = 2
     steps: int = 300
     batch_size: int = 8
@@ -389,9 +392,21 @@ def build(
                 guess=warm.guess,
             )
         )
+        gold = []
+        if warm.gold_steps > 0:
+            gold = asyncio.run(
+                collect_demonstrations(
+                    tokenizer, samples, correct=1.0, per_task=warm.demos_per_task, seed=warm.seed + 1, guess=0.0
+                )
+            )
     demo_seconds = time.monotonic() - started
     started = time.monotonic()
-    losses = warm_start(model, demos, warm, tokenizer.pad_token_id) if warm.steps > 0 else []
+    losses = []
+    if gold:
+        gold_spec = replace(warm, steps=warm.gold_steps, warmup_steps=min(warm.warmup_steps, warm.gold_steps))
+        losses += warm_start(model, gold, gold_spec, tokenizer.pad_token_id)
+    if warm.steps > 0:
+        losses += warm_start(model, demos, warm, tokenizer.pad_token_id)
     train_seconds = time.monotonic() - started
 
     kinds = sorted({demo.kind for demo in demos})
@@ -628,6 +643,10 @@ def _parser() -> argparse.ArgumentParser:
         "--guess", type=float, default=warm.guess,
         help="deal suite: share of demonstrations that answer at once without the browser (default %(default)s)",
     )  # fmt: skip
+    train.add_argument(
+        "--gold-steps", type=int, default=warm.gold_steps,
+        help="optimiser steps on solver demonstrations before the mixed ones (default %(default)s)",
+    )  # fmt: skip
     train.add_argument("--demos-per-task", type=int, default=warm.demos_per_task, help="default %(default)s")
     train.add_argument("--steps", type=int, default=warm.steps, help="optimiser steps (default %(default)s)")
     train.add_argument("--batch-size", type=int, default=warm.batch_size, help="episodes per step (%(default)s)")
@@ -661,7 +680,11 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--correct and --guess must be in [0, 1]")
     if args.init_range <= 0:
         parser.error("--init-range must be positive")
-    if min(args.demos_per_task, args.batch_size, args.layers) < 1 or args.steps < 0 or args.lr <= 0:
+    if (
+        min(args.demos_per_task, args.batch_size, args.layers) < 1
+        or min(args.steps, args.gold_steps) < 0
+        or args.lr <= 0
+    ):
         parser.error("--demos-per-task, --batch-size and --layers must be positive, --steps >= 0, --lr > 0")
     spec = ModelSpec(
         hidden_size=args.hidden_size,
@@ -674,6 +697,7 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     warm = WarmStartSpec(
         correct=args.correct,
         guess=args.guess,
+        gold_steps=args.gold_steps,
         demos_per_task=args.demos_per_task,
         steps=args.steps,
         batch_size=args.batch_size,

@@ -89,3 +89,45 @@ async def test_one_task_of_each_kind_is_solved_on_the_real_server_and_a_wrong_pr
     finally:
         await close_shared_clients()
     assert rewards == {**{(kind, False): 1.0 for kind in st.KINDS}, ("price", True): 0.0}
+
+
+async def boards(server_url: str) -> list[str]:
+    """Every deal board, navigated to in one session: the observation of each."""
+    config = EnvironmentConfig(server_urls=(server_url,), **ENVIRONMENT)
+    first, *others = [st.page_url(board.file) for board in st.deal_boards()]
+    async with EnvironmentClient(config) as client:
+        async with client.session(rollout_id="deals", attempt=0, task_id="deals", initial_url=first) as session:
+            seen = [(await session.observe()).observation]
+            for url in others:
+                seen.append((await session.navigate(url)).observation)
+    return seen
+
+
+async def test_the_deal_boards_render_as_in_chromium_and_a_deal_is_read_or_guessed_on_the_real_server(
+    real_environment, shop_site, tokenizer, tools, trainer_config, tmp_path
+):
+    async with FakeEnvironmentServer(site=st.fake_site()) as fake:
+        expected = await boards(fake.url)
+    actual = await boards(real_environment.url)
+    assert actual == expected and len(actual) == len(st.deal_boards())
+    assert all(text.count(st.SALE_MARK) >= 1 for text in actual)
+
+    sample = load_samples(st.DEAL_HELD_BACK_FILE, tmp_path)[0]
+    record = st.records_by_id()[sample["extra_info"]["task_id"]]
+    outcomes = {}
+    try:
+        for route, guess in (("browse", 0.0), ("guess", 1.0)):
+            loop = build_loop(
+                sp.ScriptedPolicy(tokenizer, st.deal_script(record, st.Chooser(), guess)),
+                tokenizer=tokenizer,
+                tools=tools,
+                trainer_config=trainer_config,
+                environment={"server_urls": [real_environment.url], **ENVIRONMENT},
+            )
+            output = await loop.run({}, **sample)
+            assert output.extra_fields["env_invalid"] is False, output.extra_fields
+            outcomes[route] = (output.reward_score, output.extra_fields["env_browser_actions"])
+    finally:
+        await close_shared_clients()
+    assert outcomes["browse"] == (1.0, 1)
+    assert outcomes["guess"][1] == 0  # answered without the browser, right or wrong

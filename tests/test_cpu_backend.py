@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -354,6 +355,114 @@ async def test_abort_request_stops_that_request_only(server):
     assert (await server.abort_request("unknown"))["aborted"] is False
 
 
+# ----- batching and per-request sampling streams
+
+
+def distinct_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """``count`` different prompts of 3 to 40 tokens (ragged, so the batch pads)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 700) for _ in range(rng.randrange(3, 41))] for _ in range(count)]
+
+
+async def generate_all(server: HFCpuServer, prompts: list[list[int]], params: dict, ids: list[str] | None = None):
+    """All prompts sent at once, each answer in the order of ``prompts``."""
+    ids = ids or [f"req-{index}" for index in range(len(prompts))]
+    calls = (server.generate(prompt, params, request_id) for prompt, request_id in zip(prompts, ids, strict=True))
+    return await asyncio.wait_for(asyncio.gather(*calls), CALL_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+async def test_a_request_gets_the_same_tokens_alone_as_among_fifteen_concurrent_others(policy_dir, temperature):
+    prompts = distinct_prompts(16)
+    params = {"temperature": temperature, "max_tokens": 24, "ignore_eos": True, "logprobs": True}
+    alone = HFCpuServer(rollout_config(), model_config(policy_dir))
+    singles = [await generate(alone, params, prompt=prompt) for prompt in prompts]
+    together = await generate_all(HFCpuServer(rollout_config(), model_config(policy_dir)), prompts, params)
+
+    assert [out.token_ids for out in together] == [out.token_ids for out in singles]
+    for batched, single in zip(together, singles, strict=True):
+        assert torch.allclose(torch.tensor(batched.log_probs), torch.tensor(single.log_probs), atol=1e-4)
+
+
+async def test_a_batch_decodes_what_the_model_predicts_for_each_prompt(server, reference):
+    prompts = distinct_prompts(6, seed=1)
+    outputs = await generate_all(server, prompts, {"temperature": 0, "max_tokens": 10, "ignore_eos": True})
+    assert [out.token_ids for out in outputs] == [greedy_reference(reference, prompt, 10) for prompt in prompts]
+
+
+async def test_two_fresh_servers_with_the_same_seed_sample_the_same_tokens_whatever_the_arrival_order(policy_dir):
+    prompts = distinct_prompts(12, seed=2)
+    params = {"temperature": 1.0, "max_tokens": 16, "ignore_eos": True}
+    first = await generate_all(HFCpuServer(rollout_config(seed=3), model_config(policy_dir)), prompts, params)
+    order = list(range(len(prompts)))
+    random.Random(0).shuffle(order)
+    shuffled = await generate_all(
+        HFCpuServer(rollout_config(seed=3), model_config(policy_dir)), [prompts[i] for i in order], params
+    )
+    other_seed = await generate_all(HFCpuServer(rollout_config(seed=4), model_config(policy_dir)), prompts, params)
+
+    assert [shuffled[order.index(i)].token_ids for i in range(len(prompts))] == [out.token_ids for out in first]
+    assert [out.token_ids for out in other_seed] != [out.token_ids for out in first]
+
+
+async def test_with_full_determinism_identical_prompts_are_told_apart_by_their_request_ids(policy_dir):
+    prompts = [PROMPT] * 8
+    ids = [f"det-{priority}" for priority in range(8)]
+    params = {"temperature": 1.0, "max_tokens": 16, "ignore_eos": True}
+    config = rollout_config(full_determinism=True)
+    first = await generate_all(HFCpuServer(config, model_config(policy_dir)), prompts, params, ids)
+    reversed_ = await generate_all(HFCpuServer(config, model_config(policy_dir)), prompts, params, ids[::-1])
+
+    by_id = {request_id: out.token_ids for request_id, out in zip(ids[::-1], reversed_, strict=True)}
+    assert [by_id[request_id] for request_id in ids] == [out.token_ids for out in first]
+    assert len({tuple(out.token_ids) for out in first}) == 8
+
+
+async def test_the_same_prompt_sent_again_samples_a_fresh_stream(server):
+    params = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
+    first, second = await generate_all(server, [PROMPT, PROMPT], params)
+    third = await generate(server, params)
+    assert len({tuple(first.token_ids), tuple(second.token_ids), tuple(third.token_ids)}) == 3
+
+
+async def test_aborting_one_request_of_a_batch_leaves_the_others_intact(policy_dir):
+    prompts = distinct_prompts(4, seed=3)
+    params = {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True}
+    expected = await generate_all(HFCpuServer(rollout_config(), model_config(policy_dir)), prompts, params)
+    server = HFCpuServer(rollout_config(), model_config(policy_dir))
+    long = await _started(server, "long")
+    others = asyncio.create_task(generate_all(server, prompts, params))
+    await asyncio.sleep(0.05)
+    assert (await server.abort_request("long"))["aborted"] is True
+
+    assert (await asyncio.wait_for(long, CANCEL_BOUND_S)).stop_reason == "aborted"
+    finished = await others
+    assert [out.token_ids for out in finished] == [out.token_ids for out in expected]
+    assert {out.stop_reason for out in finished} == {"completed"}
+
+
+async def test_a_weight_update_waits_for_the_batch_in_flight_and_no_response_mixes_two_versions(
+    server, reference, other_policy_dir
+):
+    prompts = distinct_prompts(4, seed=4)
+    params = {"temperature": 0, "max_tokens": 128, "ignore_eos": True}
+    in_flight = asyncio.create_task(generate_all(server, prompts, params))
+    await asyncio.sleep(0.05)
+    assert not in_flight.done()
+    other = AutoModelForCausalLM.from_pretrained(other_policy_dir, dtype=torch.float32).eval()
+    update = asyncio.create_task(server.update_weights(other.state_dict(), global_steps=5))
+    await asyncio.sleep(0)
+    later = asyncio.create_task(generate(server, params, prompt=prompts[0]))
+    await asyncio.wait_for(update, CALL_TIMEOUT_S)
+
+    old = await in_flight
+    assert [out.token_ids for out in old] == [greedy_reference(reference, prompt, 128) for prompt in prompts]
+    assert {out.extra_fields["global_steps"] for out in old} == {None}
+    new = await later
+    assert new.token_ids == greedy_reference(other, prompts[0], 128)
+    assert new.extra_fields["global_steps"] == 5
+
+
 # ----- through Ray, as verl's agent loop calls it
 
 
@@ -452,6 +561,14 @@ def test_the_thread_count_comes_from_engine_kwargs_and_a_misspelt_key_is_refused
     assert server_settings(rollout_config(engine_kwargs={ROLLOUT_NAME: {"num_threads": 2}})).num_threads == 2
     with pytest.raises(ValueError, match="num_thread"):
         server_settings(rollout_config(engine_kwargs={ROLLOUT_NAME: {"num_thread": 2}}))
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2"])
+def test_the_batch_size_comes_from_engine_kwargs_and_must_be_a_positive_integer(value):
+    assert server_settings(rollout_config()).max_batch_size == 64
+    assert server_settings(rollout_config(engine_kwargs={ROLLOUT_NAME: {"max_batch_size": 1}})).max_batch_size == 1
+    with pytest.raises(ValueError, match="max_batch_size"):
+        server_settings(rollout_config(engine_kwargs={ROLLOUT_NAME: {"max_batch_size": value}}))
 
 
 def test_hfcpu_is_registered_with_both_of_verls_rollout_registries():

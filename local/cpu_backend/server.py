@@ -1,7 +1,8 @@
 """The ``hfcpu`` rollout server: a Hugging Face transformers model behind verl's token-in/token-out ``generate``.
 
 A stand-in for vLLM on machines without a GPU, for tests, CI and the local rehearsal; never a default and never on
-a GPU node. It serves one request at a time (no batching, no prefix cache), which is what a 2-core machine can do.
+a GPU node. The requests in flight are decoded together (continuous batching, no prefix cache): each new request is
+prefilled alone, then joins the batch, and every decode step is one forward pass over all the sequences of the batch.
 
 What it owns
     :class:`HFCpuServer`, a plain class that ``rollout.py`` runs as a Ray actor (and tests may run in-process). It
@@ -23,33 +24,66 @@ What it owns
       * ``sleep()``: nothing to do on CPU (see its docstring); ``start_profile``/``stop_profile``: no rollout
         profiler here, logged once.
 
+Batching (``rollout.engine_kwargs.hfcpu.max_batch_size``, default 64; 1 serves one request at a time)
+    Requests are admitted in arrival order while the batch has room. Between two decode steps the decode thread
+    prefills the newly admitted requests (one forward pass each, batch of one), then samples one token for every
+    sequence and runs one batched forward pass over the sequences that go on: their key/value caches are one
+    cache, left-padded to the longest sequence and grown in place, with an attention mask and each sequence's own
+    position ids (the model's attention is torch's sdpa, given grouped key/value heads without repeating them).
+    Finished and aborted sequences leave the batch at once and their caller gets its answer then. A sequence
+    computes the same logits in a batch as alone up to float rounding (padding and batch size change the order of
+    the sums, by about 1e-6 on a logit), so greedy tokens agree, and sampled tokens with the same generator agree
+    unless a uniform draw falls within that rounding of a boundary between two tokens.
+
+Sampling streams (what makes two runs with the same seed produce the same tokens)
+    Every request samples from its own ``torch.Generator``, so its tokens do not depend on which other requests
+    are in flight or on the order the requests arrived in. Its seed is the request's ``seed`` sampling parameter
+    if given (as vLLM's per-request seed), else :func:`request_seed` of the server seed (``rollout.seed`` plus the
+    replica rank, as vLLM's engine seed), the weight version (updates received and ``global_steps``), the prompt
+    ids and one of two keys:
+      * with ``rollout.full_determinism``, the ``request_id``: verl then sends ``det-<priority>``, stable across
+        runs and distinct for every sample of a batch (``ToolAgentLoop``, the recipe's loop and
+        ``LLMServerClient`` all pass it through), so each episode gets the same tokens in both runs;
+      * otherwise verl sends a fresh ``uuid4`` per turn, useless as a key, so the key is how many requests with the
+        same prompt ids this server has received under this weight version before. Two runs then produce the same
+        set of episodes, but the samples of a group (whose first prompts are identical) may swap between group
+        members when the members' requests arrive in another order. ``full_determinism`` pins that down too.
+
 Guarantees
-    * One model lock. A generation holds it from its first forward pass to its last; a weight update holds it while
-      it loads, so a response is never produced by two weight versions.
-    * Cancellation is checked between tokens: a request cancelled in any way (its coroutine cancelled, as Ray's
-      ``ray.cancel`` and an in-process caller's cancel do; ``abort_request``; ``abort_all_requests``) stops within
-      one forward pass and releases the lock; a cancelled coroutine re-raises ``CancelledError`` after the decode
-      thread has let go of the model. Cancelling the *caller* of a Ray call is not enough: Ray 2.60 does not cancel
-      the actor task when the awaiting asyncio task is cancelled (the same holds for vLLM's server), which is why
-      the recipe's loop ``ray.cancel``s the requests of a generation it cuts (``browser_agent_loop.generate_within``).
+    * A response is never produced by two weight versions: a weight update stops admitting requests, waits until
+      the batch has drained (the requests in it finish or are aborted), loads, then admits again.
+    * Cancellation is checked before every forward pass: a request cancelled in any way (its coroutine cancelled,
+      as Ray's ``ray.cancel`` and an in-process caller's cancel do; ``abort_request``; ``abort_all_requests``)
+      leaves the batch before the next prefill or decode step, and the others go on; a request still waiting for
+      admission is answered at once. A cancelled coroutine re-raises ``CancelledError`` after its sequence has left
+      the batch. Cancelling the *caller* of a Ray call is not enough: Ray 2.60 does not cancel the actor task when
+      the awaiting asyncio task is cancelled (the same holds for vLLM's server), which is why the recipe's loop
+      ``ray.cancel``s the requests of a generation it cuts (``browser_agent_loop.generate_within``).
+    * A forward pass that raises fails the requests in it (the prefill: that request; a decode step: the batch);
+      the server keeps serving.
     * The decode runs in one dedicated thread with ``torch.set_num_threads(num_threads)``
       (``rollout.engine_kwargs.hfcpu.num_threads``, default 1), so the server does not starve a browser or the
-      trainer on a small machine; the actor's event loop stays free for aborts and weight updates.
+      trainer on a small machine; the actor's event loop stays free for admissions, aborts and weight updates.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import TokenOutput
@@ -59,9 +93,9 @@ from .sampling import LOGPROBS_MODES, SamplingSpec, choose_token, parse_sampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ABORT_DRAIN_TIMEOUT_S", "HFCpuServer", "server_settings"]
+__all__ = ["ABORT_DRAIN_TIMEOUT_S", "HFCpuServer", "HFCpuSettings", "request_seed", "server_settings"]
 
-# How long abort_all_requests waits for the requests it stopped to let go of the model: one forward pass each, but a
+# How long abort_all_requests waits for the requests it stopped to leave the batch: one forward pass each, but a
 # long prompt's prefill is one forward pass too.
 ABORT_DRAIN_TIMEOUT_S = 120.0
 _TORCH_DTYPES = {
@@ -72,32 +106,240 @@ _TORCH_DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+# Positions a batch's cache is allocated beyond its longest sequence (it grows by a quarter when they are used).
+_MIN_CACHE_ROOM = 64
+# The model's attention: sdpa with grouped key/value heads left grouped (see _grouped_sdpa).
+_ATTENTION = "hfcpu_sdpa"
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
 class HFCpuSettings:
     """What the server reads from ``rollout.engine_kwargs.hfcpu``."""
 
-    num_threads: int = 1
+    num_threads: int = dataclasses.field(default=1, metadata={"doc": "torch threads of the decode thread"})
+    max_batch_size: int = dataclasses.field(
+        default=64, metadata={"doc": "requests decoded together (1: one request at a time)"}
+    )
 
 
 def server_settings(config: RolloutConfig) -> HFCpuSettings:
     """The ``hfcpu`` settings of a rollout config (unknown keys raise, so a typo is not silently ignored)."""
     raw = dict((config.engine_kwargs or {}).get(ROLLOUT_NAME) or {})
-    unknown = sorted(set(raw) - {field.name for field in dataclasses.fields(HFCpuSettings)})
+    known = [field.name for field in dataclasses.fields(HFCpuSettings)]
+    unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ValueError(f"unknown rollout.engine_kwargs.{ROLLOUT_NAME} key(s) {unknown}; known: [{THREADS_KEY!r}]")
+        raise ValueError(f"unknown rollout.engine_kwargs.{ROLLOUT_NAME} key(s) {unknown}; known: {known}")
     settings = HFCpuSettings(**raw)
-    if settings.num_threads < 1:
-        raise ValueError(f"rollout.engine_kwargs.{ROLLOUT_NAME}.{THREADS_KEY} must be >= 1, got {settings.num_threads}")
+    for name in known:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            key = THREADS_KEY if name == "num_threads" else name
+            raise ValueError(f"rollout.engine_kwargs.{ROLLOUT_NAME}.{key} must be an integer >= 1, got {value!r}")
     return settings
+
+
+def request_seed(server_seed: int, weight_version: object, prompt: Sequence[int], key: str) -> int:
+    """The seed of a request's sampling stream (see the module docstring): a 63-bit hash that Python's per-process
+    hash randomisation does not touch."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"{server_seed}|{weight_version}|{key}|".encode())
+    digest.update(b"".join(int(token).to_bytes(8, "little", signed=True) for token in prompt))
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    tokens: list[int]
+    log_probs: list[float]
+    reason: str  # "stop", "length" or "abort"
+    global_steps: int | None  # the weight version that produced the tokens
 
 
 @dataclasses.dataclass(eq=False)
 class _Request:
     request_id: str
+    prompt: list[int]
+    spec: SamplingSpec
+    generator: torch.Generator
+    loop: asyncio.AbstractEventLoop
+    # Settled from the decode thread (through the event loop) or, for a request never admitted, the event loop.
+    outcome: asyncio.Future
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def finish(self, outcome: _Outcome | BaseException) -> None:
+        """Settle the request's outcome (from any thread; the first outcome wins)."""
+        self.loop.call_soon_threadsafe(_settle, self.outcome, outcome)
+
+
+def _settle(future: asyncio.Future, outcome: Any) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    """A request being decoded (decode thread only)."""
+
+    request: _Request
+    length: int  # tokens in its key/value cache: the prompt and every sampled token but the last
+    logits: torch.Tensor  # the distribution of its next token
+    seen: torch.Tensor | None  # prompt and output tokens, for the repetition penalty
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    left: bool = False
+
+
+def _grouped_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention, but grouped key/value heads go to torch as they are (``enable_gqa``):
+    transformers repeats them whenever there is a mask, a copy of the batch's whole cache per layer and step (about
+    7x the attention's own time for 64 sequences of 1500 positions)."""
+    causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else True)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(_ATTENTION, _grouped_sdpa)
+AttentionMaskInterface.register(_ATTENTION, sdpa_mask)
+
+
+class _GrowingLayer(DynamicLayer):
+    """A cache layer whose keys and values live in buffers with room to grow: a decode step writes one position
+    instead of copying the whole cache (``DynamicLayer`` concatenates)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self._buffers = (keys, values)
+        self._length = length
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self._buffers[0][:, :, : self._length]
+        self.values = self._buffers[1][:, :, : self._length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        end = self._length + key_states.shape[-2]
+        if end > self._buffers[0].shape[-2]:
+            self._buffers = tuple(_with_room(buffer, self._length, end) for buffer in self._buffers)
+        self._buffers[0][:, :, self._length : end] = key_states
+        self._buffers[1][:, :, self._length : end] = value_states
+        self._length = end
+        self._expose()
+        return self.keys, self.values
+
+
+def _with_room(buffer: torch.Tensor, used: int, needed: int) -> torch.Tensor:
+    """A zeroed ``[batch, heads, positions, dim]`` buffer for ``needed`` positions and room for more, holding the
+    first ``used`` positions of ``buffer``."""
+    batch, heads, _, dim = buffer.shape
+    grown = buffer.new_zeros(batch, heads, needed + max(_MIN_CACHE_ROOM, needed // 4), dim)
+    grown[:, :, :used] = buffer[:, :, :used]
+    return grown
+
+
+class _DecodeBatch:
+    """The sequences decoded together: one key/value cache left-padded to the longest sequence, one row each.
+
+    Sequences join after their prefill and leave when they finish; the cache is rebuilt (rows dropped and added,
+    padding trimmed) only before a decode step that follows such a change. Padding holds zeros (a masked position
+    must stay finite: its attention weight is 0, and 0 * inf is not).
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[_Sequence] = []  # aligned with the cache's batch dimension
+        self._joining: list[tuple[_Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._cache: Cache | None = None
+        self._width = 0
+
+    def sequences(self) -> list[_Sequence]:
+        return [row for row in self._rows if not row.left] + [row for row, _ in self._joining if not row.left]
+
+    def __len__(self) -> int:
+        return len(self.sequences())
+
+    def join(self, row: _Sequence, cache: Cache) -> None:
+        self._joining.append((row, [(layer.keys, layer.values) for layer in cache.layers]))
+
+    def step(self, model: torch.nn.Module) -> None:
+        """One forward pass over every sequence's last token; each sequence's ``logits`` become its next ones."""
+        if self._joining or any(row.left for row in self._rows):
+            self._rebuild()
+        if not self._rows:
+            return
+        lengths = torch.tensor([row.length for row in self._rows])
+        padding = (self._width - lengths).unsqueeze(1)
+        output = model(
+            input_ids=torch.tensor([[row.tokens[-1]] for row in self._rows]),
+            attention_mask=(torch.arange(self._width + 1).unsqueeze(0) >= padding).long(),
+            position_ids=lengths.unsqueeze(1),
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._width += 1
+        for row, logits in zip(self._rows, output.logits[:, -1], strict=True):
+            row.logits = logits
+            row.length += 1
+
+    def clear(self) -> list[_Sequence]:
+        """Drop every sequence (after a failed step); returns those that had not left."""
+        remaining = self.sequences()
+        self._rows, self._joining, self._cache, self._width = [], [], None, 0
+        return remaining
+
+    def _rebuild(self) -> None:
+        kept = [index for index, row in enumerate(self._rows) if not row.left]
+        joining = [(row, states) for row, states in self._joining if not row.left]
+        rows = [self._rows[index] for index in kept] + [row for row, _ in joining]
+        self._joining = []
+        if not rows:
+            self.clear()
+            return
+        width = max(row.length for row in rows)
+        index = torch.tensor(kept, dtype=torch.long)
+        layers = []
+        for layer in range(len(self._cache.layers) if self._cache is not None else len(joining[0][1])):
+            pair = []
+            for part in (0, 1):  # keys, values
+                old = self._cache.layers[layer] if kept else None
+                sample = joining[0][1][layer][part] if joining else (old.keys, old.values)[part]
+                _, heads, _, dim = sample.shape
+                buffer = sample.new_zeros(len(rows), heads, width + _MIN_CACHE_ROOM, dim)
+                if old is not None:
+                    old_states = (old.keys, old.values)[part].index_select(0, index)
+                    # Every kept row is right-aligned at the old width; the leading columns cut are padding.
+                    shared = min(width, self._width)
+                    buffer[: len(kept), :, width - shared : width] = old_states[:, :, self._width - shared :]
+                for offset, (row, states) in enumerate(joining, start=len(kept)):
+                    buffer[offset, :, width - row.length : width] = states[layer][part][0]
+                pair.append(buffer)
+            layers.append(_GrowingLayer(pair[0], pair[1], width))
+        self._rows, self._width = rows, width
+        self._cache = Cache(layers=layers)
 
 
 def _eos_ids(model_config: HFModelConfig) -> frozenset[int]:
@@ -128,6 +370,10 @@ class HFCpuServer:
             raise ValueError(f"rollout.dtype={self.config.dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
         torch.set_num_threads(self.settings.num_threads)
         self._model = self._load_model()
+        layer_types = getattr(self._model.config.get_text_config(decoder=True), "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types):
+            # The batch's left-padded cache assumes every layer keeps every position.
+            raise NotImplementedError(f"the hfcpu rollout serves full-attention decoders, not {layer_types}")
         self._eos_ids = _eos_ids(self.model_config)
         max_positions = int(getattr(self.model_config.hf_config, "max_position_embeddings", 0) or 0)
         self.max_model_len = self.config.max_model_len or max_positions
@@ -137,27 +383,35 @@ class HFCpuServer:
                 f"max_position_embeddings={max_positions}"
             )
         # Like vLLM's engine seed: reproducible runs, different streams per replica.
-        self._generator = torch.Generator().manual_seed(self.config.seed + replica_rank)
+        self.seed = self.config.seed + replica_rank
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="hfcpu-decode",
             initializer=torch.set_num_threads,
             initargs=(self.settings.num_threads,),
         )
-        self._model_lock = asyncio.Lock()
+        # Shared with the decode thread: the queue of admitted requests and whether the thread serves them.
+        self._state = threading.Lock()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._serving = False
+        self._paused = False
+        self._update_lock = asyncio.Lock()
         self._requests: set[_Request] = set()
         self._admission = asyncio.Event()
         self._admission.set()
         self._rejecting = False
+        self._prompt_counts: collections.Counter[bytes] = collections.Counter()
+        self._counted_version: object = None
         self._logged: set[str] = set()
         self.global_steps: int | None = None
         self.weight_updates = 0
         logger.info(
-            "hfcpu server %d: %s, dtype %s, %d thread(s), eos %s, max_model_len %d",
+            "hfcpu server %d: %s, dtype %s, %d thread(s), batches of up to %d, eos %s, max_model_len %d",
             replica_rank,
             self.model_config.local_path,
             self.config.dtype,
             self.settings.num_threads,
+            self.settings.max_batch_size,
             sorted(self._eos_ids),
             self.max_model_len,
         )
@@ -178,6 +432,7 @@ class HFCpuServer:
                 attn_implementation="sdpa",
                 trust_remote_code=self.model_config.trust_remote_code,
             )
+        model.set_attn_implementation(_ATTENTION)
         return model.eval()
 
     def describe(self) -> dict[str, Any]:
@@ -186,6 +441,7 @@ class HFCpuServer:
             "model_path": self.model_config.local_path,
             "dtype": self.config.dtype,
             "num_threads": self.settings.num_threads,
+            "max_batch_size": self.settings.max_batch_size,
             "eos_token_ids": sorted(self._eos_ids),
             "max_model_len": self.max_model_len,
             "global_steps": self.global_steps,
@@ -224,80 +480,179 @@ class HFCpuServer:
         )
         while not self._admission.is_set():
             if self._rejecting:
-                return self._output([], None, "aborted")
+                return self._output([], None, "aborted", self.global_steps)
             await self._admission.wait()
-        request = _Request(request_id)
+        loop = asyncio.get_running_loop()
+        seed = spec.seed if spec.seed is not None else self._request_seed(prompt, request_id)
+        request = _Request(
+            request_id, prompt, spec, torch.Generator().manual_seed(seed), loop, outcome=loop.create_future()
+        )
         self._requests.add(request)
         try:
-            async with self._model_lock:
-                tokens, log_probs, finish = await self._decode_in_thread(request, prompt, spec)
+            with self._state:
+                self._queue.append(request)
+            self._start_serving()
+            outcome = await self._outcome(request)
         finally:
             self._requests.discard(request)
             request.done.set()
-        stop_reason = "aborted" if finish == "abort" else "completed"
-        return self._output(tokens, log_probs if spec.logprobs else None, stop_reason)
+        stop_reason = "aborted" if outcome.reason == "abort" else "completed"
+        log_probs = outcome.log_probs if spec.logprobs else None
+        return self._output(outcome.tokens, log_probs, stop_reason, outcome.global_steps)
 
-    def _output(self, tokens: list[int], log_probs: list[float] | None, stop_reason: str) -> TokenOutput:
+    def _request_seed(self, prompt: list[int], request_id: str) -> int:
+        version = (self.weight_updates, self.global_steps)
+        if self.config.full_determinism:
+            return request_seed(self.seed, version, prompt, f"id:{request_id}")
+        if version != self._counted_version:
+            self._prompt_counts.clear()  # counts restart with every weight version (the version is in the hash)
+            self._counted_version = version
+        key = hashlib.blake2b(repr(prompt).encode(), digest_size=16).digest()
+        occurrence = self._prompt_counts[key]
+        self._prompt_counts[key] += 1
+        return request_seed(self.seed, version, prompt, f"n:{occurrence}")
+
+    @staticmethod
+    def _output(
+        tokens: list[int], log_probs: list[float] | None, stop_reason: str, global_steps: int | None
+    ) -> TokenOutput:
         # No prefix cache: no prompt token is ever served from one.
-        extra_fields = {"global_steps": self.global_steps, "num_cached_tokens": 0}
+        extra_fields = {"global_steps": global_steps, "num_cached_tokens": 0}
         return TokenOutput(token_ids=tokens, log_probs=log_probs, stop_reason=stop_reason, extra_fields=extra_fields)
 
-    async def _decode_in_thread(
-        self, request: _Request, prompt: list[int], spec: SamplingSpec
-    ) -> tuple[list[int], list[float], str]:
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self._decode, request, prompt, spec)
+    async def _outcome(self, request: _Request) -> _Outcome:
+        try:
+            return await asyncio.shield(request.outcome)
+        except asyncio.CancelledError:
+            self._cancel(request)
+            # Re-raised only once the sequence has left the batch.
+            while not request.outcome.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([request.outcome])
+            raise
+
+    def _cancel(self, request: _Request) -> None:
+        """Stop a request: answered here if it still waits for admission, else by the decode thread."""
+        request.cancel.set()
+        with self._state:
+            queued = request in self._queue
+            if queued:
+                self._queue.remove(request)
+        if queued:
+            request.finish(_Outcome([], [], "abort", self.global_steps))
+
+    def _start_serving(self) -> None:
+        with self._state:
+            if self._serving or self._paused or not self._queue:
+                return
+            self._serving = True
+        self._executor.submit(self._serve)
+
+    # ----- the decode thread
+
+    def _serve(self) -> None:
+        """Decode until no request is admitted or in the batch (runs in the decode thread)."""
+        batch = _DecodeBatch()
+        try:
+            while True:
+                with self._state:
+                    room = 0 if self._paused else self.settings.max_batch_size - len(batch)
+                    admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+                    if not admitted and not len(batch):
+                        self._serving = False
+                        return
+                with torch.inference_mode():
+                    for request in admitted:
+                        self._drop_cancelled(batch)
+                        self._prefill(request, batch)
+                    self._drop_cancelled(batch)
+                    self._choose_tokens(batch)
+                    try:
+                        batch.step(self._model)
+                    except Exception as exc:
+                        logger.exception("hfcpu server %d: a decode step failed", self.replica_rank)
+                        for row in batch.clear():
+                            row.request.finish(exc)
+        except BaseException as exc:
+            logger.exception("hfcpu server %d: the decode thread stopped", self.replica_rank)
+            # Nothing may be left waiting for a thread that is gone.
+            with self._state:
+                self._serving = False
+                stranded = [row.request for row in batch.clear()] + list(self._queue)
+                self._queue.clear()
+            for request in stranded:
+                request.finish(exc)
+            raise
+
+    def _prefill(self, request: _Request, batch: _DecodeBatch) -> None:
+        if request.cancel.is_set():
+            request.finish(_Outcome([], [], "abort", self.global_steps))
+            return
+        try:
+            output = self._model(input_ids=torch.tensor([request.prompt]), use_cache=True, logits_to_keep=1)
+        except Exception as exc:
+            logger.exception("hfcpu server %d: the prefill of request %s failed", self.replica_rank, request.request_id)
+            request.finish(exc)
+            return
+        seen = None
+        if request.spec.repetition_penalty != 1.0:
+            seen = torch.zeros(output.logits.shape[-1], dtype=torch.bool)
+            seen[request.prompt] = True
+        row = _Sequence(request, length=len(request.prompt), logits=output.logits[0, -1], seen=seen)
+        batch.join(row, output.past_key_values)
+
+    def _drop_cancelled(self, batch: _DecodeBatch) -> None:
+        for row in batch.sequences():
+            if row.request.cancel.is_set():
+                self._leave(row, "abort")
+
+    def _choose_tokens(self, batch: _DecodeBatch) -> None:
+        """One token for every sequence in the batch, from its own generator; finished sequences leave."""
+        for row in batch.sequences():
+            spec = row.request.spec
+            try:
+                token, log_prob = choose_token(
+                    row.logits,
+                    spec,
+                    seen=row.seen,
+                    generator=row.request.generator,
+                    logprobs_mode=self.config.logprobs_mode,
+                )
+            except Exception as exc:
+                row.left = True
+                row.request.finish(exc)
+                continue
+            row.tokens.append(token)
+            row.log_probs.append(log_prob)
+            if row.seen is not None:
+                row.seen[token] = True
+            if token in spec.stop_token_ids or (token in self._eos_ids and not spec.ignore_eos):
+                self._leave(row, "stop")
+            elif len(row.tokens) >= spec.max_tokens:
+                self._leave(row, "length")
+
+    def _leave(self, row: _Sequence, reason: str) -> None:
+        row.left = True
+        row.request.finish(_Outcome(row.tokens, row.log_probs, reason, self.global_steps))
+
+    async def _in_decode_thread(self, function: Callable[..., _T], *args: Any) -> _T:
+        """Run ``function`` in the decode thread, after what it already has to do; a cancel waits for it to end."""
+        future = asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            request.cancel.set()
-            # The thread stops before its next token; the lock must not be released while it still runs.
             while not future.done():
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(future)
+                    await asyncio.wait([future])
             raise
-
-    def _decode(self, request: _Request, prompt: list[int], spec: SamplingSpec) -> tuple[list[int], list[float], str]:
-        """The decode loop (runs in the decode thread): prefill, then one cached forward pass per token."""
-        generator = self._generator if spec.seed is None else torch.Generator().manual_seed(spec.seed)
-        tokens: list[int] = []
-        log_probs: list[float] = []
-        if request.cancel.is_set():
-            return tokens, log_probs, "abort"
-        with torch.inference_mode():
-            output = self._model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-            seen = None
-            if spec.repetition_penalty != 1.0:
-                seen = torch.zeros(output.logits.shape[-1], dtype=torch.bool)
-                seen[prompt] = True
-            for step in range(spec.max_tokens):
-                if request.cancel.is_set():
-                    return tokens, log_probs, "abort"
-                token, log_prob = choose_token(
-                    output.logits[0, -1],
-                    spec,
-                    seen=seen,
-                    generator=generator,
-                    logprobs_mode=self.config.logprobs_mode,
-                )
-                tokens.append(token)
-                log_probs.append(log_prob)
-                if seen is not None:
-                    seen[token] = True
-                if token in spec.stop_token_ids or (token in self._eos_ids and not spec.ignore_eos):
-                    return tokens, log_probs, "stop"
-                if step + 1 < spec.max_tokens:
-                    output = self._model(
-                        input_ids=torch.tensor([[token]]), past_key_values=output.past_key_values, use_cache=True
-                    )
-        return tokens, log_probs, "length"
 
     # ----- aborts
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
-        """Stop the request(s) with this id (running or waiting for the model); they return ``"aborted"``."""
+        """Stop the request(s) with this id (in the batch or waiting for it); they return ``"aborted"``."""
         matching = [request for request in self._requests if request.request_id == request_id]
         for request in matching:
-            request.cancel.set()
+            self._cancel(request)
         if not matching:
             return {"aborted": False, "request_id": request_id, "error": f"Request {request_id} not found"}
         return {"aborted": True, "request_id": request_id}
@@ -308,7 +663,7 @@ class HFCpuServer:
         self._rejecting = reject_request
         stopped = list(self._requests)
         for request in stopped:
-            request.cancel.set()
+            self._cancel(request)
         if stopped:
             try:
                 await asyncio.wait_for(
@@ -316,7 +671,7 @@ class HFCpuServer:
                 )
             except TimeoutError as exc:
                 raise TimeoutError(
-                    f"aborted requests did not release the model within {ABORT_DRAIN_TIMEOUT_S:.0f} s"
+                    f"aborted requests did not leave the batch within {ABORT_DRAIN_TIMEOUT_S:.0f} s"
                 ) from exc
         request_ids = [request.request_id for request in stopped]
         logger.info("hfcpu server %d: aborted %d request(s)", self.replica_rank, len(request_ids))
@@ -330,12 +685,20 @@ class HFCpuServer:
     # ----- weights
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], global_steps: int | None = None) -> dict:
-        """Load the actor's full weights (by Hugging Face parameter name) between two generations."""
-        async with self._model_lock:
-            loaded = await asyncio.get_running_loop().run_in_executor(self._executor, self._load_weights, state_dict)
-            self.weight_updates += 1
-            if global_steps is not None:
-                self.global_steps = global_steps
+        """Load the actor's full weights (by Hugging Face parameter name) once the batch in flight has drained."""
+        async with self._update_lock:
+            with self._state:
+                self._paused = True
+            try:
+                # The decode thread runs this once its batch is empty: a paused server admits nothing new.
+                loaded = await self._in_decode_thread(self._load_weights, state_dict)
+                self.weight_updates += 1
+                if global_steps is not None:
+                    self.global_steps = global_steps
+            finally:
+                with self._state:
+                    self._paused = False
+                self._start_serving()
         return {"tensors": loaded, "global_steps": self.global_steps, "weight_updates": self.weight_updates}
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:

@@ -210,6 +210,9 @@ class BrowserLoopSettings:
     max_attempts: int = 3  # attempts per rollout, the first one included
     resample_backoff_s: float = 1.0  # wait before the second attempt (doubles per further attempt)
     drop_invalid: bool | None = None  # None: read NEMO_GYM_BROWSER_DROP_INVALID
+    # True: a rollout still failing after its attempts is scored 0 and trained on like a policy outcome, as an
+    # integration without this recipe does. For comparison runs only (bench/learning_curve.py's stock arm).
+    train_on_failures: bool = False
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
     judge: JudgeConfig | None = None  # scores tasks without verifier_metadata
     lenient_tool_call_parsing: bool = True  # a malformed <tool_call> becomes an error message, not a silent stop
@@ -1012,7 +1015,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             "env_browser_actions": outcome.browser_actions,
         }
         for number, output in enumerate(outputs, start=1):
-            if invalid:  # out of the loss, every step of the episode; the estimator drops the reward
+            if invalid and not self.settings.train_on_failures:
+                # out of the loss, every step of the episode; the estimator drops the reward
                 output.response_mask = [0] * len(output.response_mask)
             _ensure_response_token(output, self.tokenizer)
             output.reward_score = 0.0 if invalid else outcome.reward

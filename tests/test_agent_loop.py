@@ -220,7 +220,17 @@ async def test_a_rollout_still_failing_after_its_attempts_is_kept_flagged_invali
     assert output.extra_fields["env_failure_reason"].startswith("session ")  # names the session that failed
     assert output.reward_score == 0.0
     assert len(output.response_mask) >= 1 and set(output.response_mask) == {0}
+
     assert len(h.server.session_ids) == 3 and h.all_closed()
+
+
+async def test_train_on_failures_keeps_a_failed_rollouts_tokens_in_the_loss_as_a_policy_zero(h):
+    h.server.inject("browser_click", Fault.status(502))
+
+    output, _ = await h.run(WALK, max_attempts=1, train_on_failures=True)
+
+    assert flags(output)["env_invalid"] is True and output.reward_score == 0.0
+    assert 1 in output.response_mask  # the observe call the policy made is trained on, as without the recipe
 
 
 async def test_a_hung_call_is_an_infrastructure_timeout_well_before_the_episode_deadline(h):

@@ -1,30 +1,32 @@
-"""The mission's claim, shown by training: infrastructure zeros in GRPO's baseline slow learning; the recipe does not.
+"""Does a run learn, and does the env-aware baseline change what is learned? Both answered by training.
 
-Two arms, each a real ``python -m verl.trainer.main_ppo`` run (V1 trainer, ``BrowserToolAgentLoop``, the CPU backend
-in place of vLLM) of the same warm-started tiny policy on the same Corner Shop training tasks, with the same seed:
+Every run is a real ``python -m verl.trainer.main_ppo`` (V1 trainer, ``BrowserToolAgentLoop``, the CPU backend in
+place of vLLM) of the warm-started tiny policy on the Corner Shop's deal tasks (``shop_tasks``, suite ``deal``):
+name the fruit a board marks on sale. Two routes solve one: read the board (an ``observe`` call, then ``finish``
+with the marked fruit), or ``finish`` at once with a fruit from memory, never touching the browser, which is right
+one time in four. The warm start takes both routes and reads the mark only some of the time.
 
-    recipe   ``grpo_env_aware`` through ``patches.py``; a spoiled episode is re-run up to 3 attempts, and what still
-             fails stays out of its group's baseline
-    stock    verl's GRPO as it ships (the recipe's wiring off, one attempt): a spoiled episode is a zero in its group
+Two arms, the same policy, tasks and seed:
 
-and, per arm, the same share of training sessions spoiled by the environment: the fault proxy answers 503 to the
-session's verify (after the policy acted), drawn per session from a hash of its id. Validation runs the 24
-held-back tasks (items no training task names) greedily every ``--eval-every`` steps and before training; their
-sessions are never faulted, so the success rate measures the policy alone.
+    recipe   ``grpo_env_aware`` through ``patches.py``; an episode the infrastructure failed is re-run (3 attempts)
+             and what still fails stays out of the loss and out of its group's baseline
+    stock    verl's GRPO, one attempt, and a failed episode is scored 0 and trained on like a policy outcome
+             (``train_on_failures``): what an integration without this recipe does
 
-Prints the held-back success rate per step for each arm and rate, the minutes each run took, and writes a PNG and
-the raw numbers (JSON). The environment is the project's fake ``interactive_browser`` server serving the shop's
-pages (observations byte-identical to the real server's, checked by the integration tier) by default, to keep the
-CPU for the model; ``--environment real`` runs nemo-gym 0.7.0 with Chromium instead.
+and, per arm, the same infrastructure failures where real ones happen: the fault proxy fails each browser call
+(``observe``, ``navigate``, ``click``, ``type``) with probability ``--rates`` (drawn per call from the seed, the
+session and the call's index), as a lost session by default, so an episode that browses is exposed and an answer
+from memory never is. Validation (before training and every ``--eval-every`` steps) samples ``--val-samples``
+episodes of every training task and every held-back board at temperature 1, with no faults: clean success, the
+share of episodes that browsed, and browser calls per episode.
 
-    python bench/learning_curve.py                        # rates 0 / 0.3 / 0.6, both arms
-    python bench/learning_curve.py --rates 0.6 --steps 20 --eval-every 4
+Prints one line per run as it ends and, at the end, mean and range over seeds per arm, rate and evaluated step;
+writes the JSON after every run (a long benchmark keeps what it measured) and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import textwrap
@@ -34,99 +36,153 @@ from typing import Any
 
 from nemo_gym_browser.local import shop_tasks
 from nemo_gym_browser.local import training_run as tr
+from nemo_gym_browser.prepare_webvoyager_data import prepare_rows
 from nemo_gym_browser.testing.benchmarking import header
 
-ARMS = (("recipe", tr.RECIPE_ESTIMATOR), ("stock", tr.STOCK_ESTIMATOR))
-SUCCESS_KEY = f"val-core/{tr.DATA_SOURCE}/reward/mean@1"
 HERE = Path(__file__).resolve().parent
+ARMS = ("recipe", "stock")
+# Validation data sources: the training tasks and the held-back boards, scored apart by verl's validation.
+VAL_SOURCES = {"train": "deal-train", "heldback": "deal-heldback"}
+VAL_TASK_PREFIX = "val--"
 
 
-@contextlib.contextmanager
-def environment(kind: str) -> Any:
-    """The URL of an ``interactive_browser`` serving the shop: the fake server in a thread, or the real one."""
-    if kind == "fake":
-        from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-
-        with FakeEnvironmentServer(site=shop_tasks.fake_site()).run_in_thread() as fake:
-            yield fake.url
-    else:
-        from nemo_gym_browser.launch_environment import LocalEnvironment
-
-        with shop_tasks.serve(), LocalEnvironment() as real:
-            yield real.url
+def validation_rows(rows: Path, split: str, output: Path) -> tuple[Path, frozenset[str]]:
+    """A copy of prepared rows for validation: their own data source and task ids (so faults can spare them)."""
+    lines = []
+    for line in rows.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        row["data_source"] = VAL_SOURCES[split]
+        row["task_id"] = VAL_TASK_PREFIX + row["task_id"]
+        lines.append(json.dumps(row))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return output, frozenset(json.loads(line)["task_id"] for line in lines)
 
 
-def run_arm(
-    args: argparse.Namespace, url: str, model: Path, rows: tuple[Path, Path], rate: float, arm: str, estimator: str
-) -> dict[str, Any]:
-    held_back = frozenset(record["id"] for record in shop_tasks.task_records("heldback"))
-    rule = tr.random_faults(rate, args.seed, spare_tasks=held_back)
-    with tr.InjectedFaults(url, rule) as faults:
-        spec = tr.RunSpec(
-            model_path=model,
-            train_file=rows[0],
-            val_file=rows[1],
-            server_urls=(faults.url,),
-            output_dir=args.workdir / f"rate{rate:g}-{arm}",
-            steps=args.steps,
-            prompts_per_step=args.prompts_per_step,
-            group_size=args.group_size,
-            estimator=estimator,
-            lr=args.lr,
-            test_freq=args.eval_every,
-            val_before_train=True,
-            seed=args.seed,
-        )
-        result = tr.run_main_ppo(spec, timeout_s=args.timeout)
+def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: str, data: dict[str, Any]) -> Any:
+    n = args.val_samples
+    overrides = [
+        f"data.val_files=[{tr._hydra_string(data['val'][0])},{tr._hydra_string(data['val'][1])}]",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        f"actor_rollout_ref.rollout.val_kwargs.n={n}",
+        # request ids stable across runs, so the rollout's sampling streams are (local/cpu_backend/server.py)
+        "actor_rollout_ref.rollout.full_determinism=True",
+    ]
+    if arm == "stock":
+        overrides.append("+nemo_gym_browser.train_on_failures=True")
+    return tr.RunSpec(
+        model_path=data["model"],
+        train_file=data["train"],
+        val_file=data["val"][0],
+        server_urls=(url,),
+        output_dir=args.workdir / f"rate{rate:g}-{arm}-seed{seed}",
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        max_assistant_turns=4,
+        estimator=tr.RECIPE_ESTIMATOR if arm == "recipe" else tr.STOCK_ESTIMATOR,
+        lr=args.lr,
+        test_freq=args.eval_every,
+        val_before_train=True,
+        seed=seed,
+        extra_overrides=tuple(overrides),
+        faults=tr.FaultSpec(rate=rate, at="browser-call", kind=args.fault_kind),
+    )
+
+
+def evaluated(steps: dict[int, dict[str, Any]], n: int) -> dict[int, dict[str, float]]:
+    """Per evaluated step: clean success and browsing, on training tasks and held-back boards."""
+    out = {}
+    for step, metrics in sorted(steps.items()):
+        row = {}
+        for split, source in VAL_SOURCES.items():
+            for name, key in (
+                ("success", f"val-core/{source}/reward/mean@{n}"),
+                ("browsed", f"val-aux/{source}/env/browsed/mean@{n}"),
+                ("browser_calls", f"val-aux/{source}/env/browser_actions/mean@{n}"),
+            ):
+                if key in metrics:
+                    row[f"{split}_{name}"] = float(metrics[key])
+        if row:
+            out[step] = row
+    return out
+
+
+def run_one(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: str, data: dict[str, Any]) -> dict:
+    spec = run_spec(args, arm=arm, seed=seed, rate=rate, url=url, data=data)
+    with tr.InjectedFaults(url, spec.faults.rule(seed, spare_tasks=data["val_ids"])) as faults:
+        result = tr.run_main_ppo(spec.replace(server_urls=(faults.url,)), timeout_s=args.timeout)
         injected = faults.counts()
+        left_open = len(faults.open_session_ids)
     if not result.ok:
         print(result.log_tail(40), file=sys.stderr)
-        raise SystemExit(f"{arm} at rate {rate}: main_ppo exited {result.returncode} ({result.log_path})")
-    success = {step: m[SUCCESS_KEY] for step, m in sorted(result.steps.items()) if SUCCESS_KEY in m}
-    train_reward = {step: m["critic/score/mean"] for step, m in sorted(result.steps.items()) if step > 0}
-    # env/* metrics come from the recipe's wiring: the stock arm (wiring off) has none
-    invalid = [m["env/invalid_rate"] for step, m in result.steps.items() if step > 0 and "env/invalid_rate" in m]
-    resampled = [m["env/resampled_rate"] for step, m in result.steps.items() if step > 0 and "env/resampled_rate" in m]
+        raise SystemExit(f"{arm} seed {seed} rate {rate}: main_ppo exited {result.returncode} ({result.log_path})")
+    training = {
+        step: {
+            "reward": m.get("critic/score/mean"),
+            "browsed_rate": m.get("env/browsed_rate"),
+            "invalid_rate": m.get("env/invalid_rate"),
+            "resampled_rate": m.get("env/resampled_rate"),
+            "step_s": m.get("timing_s/step"),
+            "gen_s": m.get("timing_s/gen"),
+        }
+        for step, m in sorted(result.steps.items())
+        if step > 0
+    }
     return {
-        "rate": rate,
         "arm": arm,
+        "seed": seed,
+        "rate": rate,
         "minutes": result.elapsed_s / 60,
-        "success": success,
-        "train_reward": train_reward,
-        "mean_invalid_rate": sum(invalid) / len(invalid) if invalid else None,
-        "mean_resampled_rate": sum(resampled) / len(resampled) if resampled else None,
         "peak_memory_gib": result.peak_memory_bytes / 2**30,
-        "step_seconds": {step: m["timing_s/step"] for step, m in sorted(result.steps.items()) if "timing_s/step" in m},
-        "injected_503": injected.get("status", 0),
+        "evaluated": evaluated(result.steps, args.val_samples),
+        "training": training,
+        "faults_injected": injected,
+        "sessions_left_open": left_open,
     }
 
 
-def print_table(runs: list[dict[str, Any]]) -> None:
-    steps = sorted({step for run in runs for step in run["success"]})
-    columns = [(run["rate"], run["arm"]) for run in runs]
-    print("\nheld-back success rate (greedy, 24 tasks never trained on) by training step")
-    print("step " + " ".join(f"{f'{rate:.0%} {arm}':>12}" for rate, arm in columns))
-    for step in steps:
-        cells = []
-        for run in runs:
-            value = run["success"].get(step)
-            cells.append(f"{value:12.3f}" if value is not None else f"{'-':>12}")
-        print(f"{step:4d} " + " ".join(cells))
-    print(
-        "\nrun           minutes  s/step  peak GiB  mean train reward  invalid after attempts  resampled  503s injected"
-    )
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    return f"{mean:.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def print_summary(runs: list[dict[str, Any]]) -> None:
+    print("\nclean success and browsing, mean (min-max) over seeds, by evaluated step")
+    columns = ("train_success", "heldback_success", "train_browsed", "heldback_browsed", "train_browser_calls")
+    print(f"{'rate':>5} {'arm':<7} {'step':>4} " + " ".join(f"{c:>20}" for c in columns))
+    for rate in sorted({run["rate"] for run in runs}):
+        for arm in ARMS:
+            group = [run for run in runs if run["rate"] == rate and run["arm"] == arm]
+            if not group:
+                continue
+            steps = sorted({int(s) for run in group for s in run["evaluated"]})
+            for step in steps:
+                cells = []
+                for column in columns:
+                    values = [
+                        run["evaluated"][step][column]
+                        for run in group
+                        if step in run["evaluated"] and column in run["evaluated"][step]
+                    ]
+                    cells.append(f"{spread(values):>20}")
+                print(f"{rate:>5.0%} {arm:<7} {step:>4} " + " ".join(cells))
+    print("\nrun                         minutes  s/step  gen s  peak GiB  invalid  resampled  faults  left open")
     for run in runs:
-        rewards = list(run["train_reward"].values())
-        mean_reward = sum(rewards) / max(len(rewards), 1)
-        seconds = list(run["step_seconds"].values())
-        per_step = sum(seconds) / max(len(seconds), 1)
-        invalid, resampled = run["mean_invalid_rate"], run["mean_resampled_rate"]
+        seconds = [t["step_s"] for t in run["training"].values() if t["step_s"] is not None]
+        gen = [t["gen_s"] for t in run["training"].values() if t["gen_s"] is not None]
+        invalid = [t["invalid_rate"] for t in run["training"].values() if t["invalid_rate"] is not None]
+        resampled = [t["resampled_rate"] for t in run["training"].values() if t["resampled_rate"] is not None]
+        name = f"{run['rate']:.0%} {run['arm']} seed {run['seed']}"
         print(
-            f"{run['rate']:>4.0%} {run['arm']:<7} {run['minutes']:8.1f} {per_step:7.1f} {run['peak_memory_gib']:9.1f} "
-            f"{mean_reward:18.3f} {'-' if invalid is None else f'{invalid:.3f}':>23} "
-            f"{'-' if resampled is None else f'{resampled:.3f}':>10} {run['injected_503']:14d}"
+            f"{name:<27} {run['minutes']:7.1f} {sum(seconds) / max(len(seconds), 1):7.1f} "
+            f"{sum(gen) / max(len(gen), 1):6.1f} {run['peak_memory_gib']:9.1f} "
+            f"{spread(invalid).split(' ')[0]:>8} {spread(resampled).split(' ')[0]:>10} "
+            f"{sum(run['faults_injected'].values()):7d} {run['sessions_left_open']:10d}"
         )
-    print("(invalid and resampled come from the recipe's env/* metrics; the stock arm has no wiring to count them)")
 
 
 def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -136,69 +192,134 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rates = sorted({run["rate"] for run in runs})
-    width = max(4.2 * len(rates), 6.4)  # one panel still fits the title line
-    figure, axes = plt.subplots(1, len(rates), figsize=(width, 3.6), sharey=True, squeeze=False)
-    for axis, rate in zip(axes[0], rates, strict=True):
-        for run in (r for r in runs if r["rate"] == rate):
-            steps = sorted(run["success"])
-            style = {"marker": "o", "linestyle": "-"} if run["arm"] == "recipe" else {"marker": "s", "linestyle": "--"}
-            axis.plot(steps, [run["success"][s] for s in steps], label=run["arm"], markerfacecolor="none", **style)
-        axis.set_title(f"{rate:.0%} of training sessions spoiled")
-        axis.set_xlabel("training step")
-        axis.grid(alpha=0.3)
-    axes[0][0].set_ylabel("held-back success rate")
-    axes[0][0].legend()
-    figure.suptitle(textwrap.fill(title, width=int(width * 15)), fontsize=9)
+    panels = (("heldback_success", "clean success, held-back boards"), ("train_browsed", "share of episodes browsing"))
+    figure, axes = plt.subplots(
+        len(panels), len(rates), figsize=(4.6 * len(rates), 3.2 * len(panels)), sharey="row", squeeze=False
+    )
+    colours = {"recipe": "tab:blue", "stock": "tab:red"}
+    for column, rate in enumerate(rates):
+        for row, (key, label) in enumerate(panels):
+            axis = axes[row][column]
+            for arm in ARMS:
+                group = [run for run in runs if run["rate"] == rate and run["arm"] == arm]
+                if not group:
+                    continue
+                steps = sorted({int(s) for run in group for s in run["evaluated"]})
+                for run in group:  # one thin line per seed
+                    xs = [s for s in steps if s in run["evaluated"] and key in run["evaluated"][s]]
+                    axis.plot(xs, [run["evaluated"][s][key] for s in xs], color=colours[arm], alpha=0.3, lw=0.8)
+                means = []
+                for s in steps:
+                    values = [run["evaluated"][s][key] for run in group if s in run["evaluated"]]
+                    means.append(sum(values) / len(values))
+                style = "-" if arm == "recipe" else "--"
+                axis.plot(steps, means, style, color=colours[arm], marker="o", ms=3, label=f"{arm} (mean)")
+            axis.set_ylim(-0.02, 1.02)
+            axis.grid(alpha=0.3)
+            if row == 0:
+                axis.set_title(f"{rate:.0%} of browser calls fail")
+            if row == len(panels) - 1:
+                axis.set_xlabel("training step")
+            if column == 0:
+                axis.set_ylabel(label)
+    axes[0][0].legend(fontsize=8)
+    figure.suptitle(textwrap.fill(title, width=110), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.3, 0.6])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--eval-every", type=int, default=3)
-    parser.add_argument("--prompts-per-step", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--environment", choices=("fake", "real"), default="fake")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python bench/learning_curve.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""\
+examples:
+  python bench/learning_curve.py                                   # rates 0 and 0.7, seeds 0 1 2, both arms
+  python bench/learning_curve.py --rates 0.7 --seeds 0 --steps 10  # one quick pair
+  python bench/learning_curve.py --environment real --seeds 0      # nemo-gym 0.7.0 with Chromium
+
+exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
+    )
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.7],
+                        help="chance that each browser call fails (default: 0 0.7)")  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per arm and seed (0 1 2)")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="default: both")
+    parser.add_argument("--fault-kind", choices=tr.FAULT_KINDS, default="lose_session",
+                        help="what a failed browser call meets (default %(default)s)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=30, help="training steps per run (%(default)s)")
+    parser.add_argument("--eval-every", type=int, default=5, help="validate every N steps (%(default)s)")
+    parser.add_argument("--val-samples", type=int, default=2, help="validation episodes per task (%(default)s)")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="tasks per step (%(default)s)")
+    parser.add_argument("--group-size", type=int, default=8, help="episodes per task, one GRPO group (%(default)s)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="actor learning rate (%(default)s)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a policy folder (default: build the deal policy in --workdir)")  # fmt: skip
+    parser.add_argument("--environment", choices=("fake", "real"), default="fake",
+                        help="the fake interactive_browser (default) or nemo-gym 0.7.0 with Chromium")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/nemo-gym-browser-learning-curve"))
     parser.add_argument("--plot", type=Path, default=HERE / "learning_curve.png")
     parser.add_argument("--json", type=Path, default=HERE / "learning_curve.json")
-    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run")
+    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run (%(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    if any(not 0.0 <= rate <= 1.0 for rate in args.rates) or min(args.steps, args.eval_every) < 1:
-        parser.error("rates must be in [0, 1]; --steps and --eval-every at least 1")
+    problem = None
+    if any(not 0.0 <= rate < 1.0 for rate in args.rates):
+        problem = "--rates must be in [0, 1)"
+    elif min(args.steps, args.eval_every, args.val_samples, args.prompts_per_step, args.group_size) < 1:
+        problem = "--steps, --eval-every, --val-samples, --prompts-per-step and --group-size must be at least 1"
+    elif args.model is not None and not (args.model / "config.json").is_file():
+        problem = f"--model {args.model} has no config.json"
+    if problem:
+        print(f"learning_curve.py: error: {problem}", file=sys.stderr)
+        return 2
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    print(header("learning curve: the recipe vs stock GRPO under injected infrastructure failures"), flush=True)
+    print(header("learning curve: the recipe vs stock GRPO, browser calls failing"), flush=True)
 
     started = time.monotonic()
-    rows = tr.prepare_task_rows(args.workdir, shop_tasks.TRAIN_FILE, shop_tasks.HELD_BACK_FILE)
-    model = tr.tiny_policy_folder(args.workdir, args.seed)
+    train_file, held_file = shop_tasks.SUITE_FILES["deal"]
+    train_rows = prepare_rows(train_file, args.workdir / "rows-train")
+    held_rows = prepare_rows(held_file, args.workdir / "rows-heldback")
+    val_train, train_ids = validation_rows(train_rows, "train", args.workdir / "val" / "train.jsonl")
+    val_held, held_ids = validation_rows(held_rows, "heldback", args.workdir / "val" / "heldback.jsonl")
+    model = args.model or tr.deal_policy_folder(args.workdir)
+    data = {"model": model, "train": train_rows, "val": (val_train, val_held), "val_ids": train_ids | held_ids}
     print(f"policy {model} ready after {time.monotonic() - started:.0f} s", flush=True)
-    runs = []
-    with environment(args.environment) as url:
+
+    runs: list[dict[str, Any]] = []
+    settings = vars(args) | {"workdir": str(args.workdir), "model": str(model)}
+    with tr.shop_environment(args.environment) as url:
         for rate in args.rates:
-            for arm, estimator in ARMS:
-                run = run_arm(args, url, model, rows, rate, arm, estimator)
-                runs.append(run)
-                last = run["success"][max(run["success"])]
-                print(f"  rate {rate:.0%} {arm:<6}: {run['minutes']:.1f} min, held-back success {last:.3f}", flush=True)
-    print_table(runs)
+            for seed in args.seeds:
+                for arm in args.arms:
+                    run = run_one(args, arm=arm, seed=seed, rate=rate, url=url, data=data)
+                    runs.append(run)
+                    first, last = min(run["evaluated"]), max(run["evaluated"])
+                    before, after = run["evaluated"][first], run["evaluated"][last]
+                    print(
+                        f"  {rate:.0%} {arm:<6} seed {seed}: {run['minutes']:.1f} min; held-back success "
+                        f"{before.get('heldback_success', float('nan')):.2f} -> "
+                        f"{after.get('heldback_success', float('nan')):.2f}, browsing "
+                        f"{before.get('train_browsed', float('nan')):.2f} -> "
+                        f"{after.get('train_browsed', float('nan')):.2f}",
+                        flush=True,
+                    )
+                    args.json.write_text(json.dumps({"settings": settings, "runs": runs}, indent=1, default=str) + "\n")
+    print_summary(runs)
     total = (time.monotonic() - started) / 60
-    settings = (
-        f"{args.steps} steps x {args.prompts_per_step} tasks x {args.group_size} episodes, lr {args.lr}, "
-        f"seed {args.seed}, {args.environment} environment; {total:.0f} min in all"
+    title = (
+        f"deal tasks, {args.steps} steps x {args.prompts_per_step} tasks x {args.group_size} episodes, lr {args.lr}, "
+        f"seeds {' '.join(map(str, args.seeds))}, {args.fault_kind} at browser calls, {args.environment} "
+        f"environment; {total:.0f} min in all"
     )
-    print(f"\n{settings}")
-    args.json.write_text(
-        json.dumps({"settings": vars(args) | {"workdir": str(args.workdir)}, "runs": runs}, indent=1, default=str)
-        + "\n"
-    )
-    plot(runs, args.plot, settings)
+    print(f"\n{title}")
+    plot(runs, args.plot, title)
     print(f"wrote {args.plot} and {args.json}")
     return 0
 

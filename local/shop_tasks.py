@@ -76,11 +76,14 @@ SUITE_FILES: Mapping[str, tuple[Path, Path]] = {
     "lookup": (TRAIN_FILE, HELD_BACK_FILE),
     "deal": (DEAL_TRAIN_FILE, DEAL_HELD_BACK_FILE),
 }
-# Deal boards list the fruit: the first DEAL_TRAIN_BOARDS train, the rest are held back. Each fruit is on sale on
-# the same number of boards of each split, so an answer from memory (any fruit) is right one time in four.
+# Deal boards list the fruit, one marked on sale; one page (deals.html?board=N) draws board N with a script. Every
+# DEAL_HELD_BACK_EVERY-th board is held back (both splits' start URLs have numbers of the same shape). Each fruit is
+# on sale on the same number of boards of each split, so an answer from memory (any fruit) is right one time in
+# four, and there are too many boards for a small policy to learn each board's answer by its URL.
 DEAL_SECTION = "Fruit"
-DEAL_TRAIN_BOARDS = 16
-DEAL_HELD_BACK_BOARDS = 8
+DEAL_TASKS_PER_FRUIT = {"train": 240, "heldback": 60}
+DEAL_HELD_BACK_EVERY = 5
+DEAL_PAGE = "deals.html"
 SALE_MARK = "(sale)"
 # The answer the demonstrations give when the task asks for no value; graders of those kinds ignore it.
 DONE_ANSWER = "done"
@@ -177,7 +180,7 @@ def _search_script() -> list[str]:
 
 @dataclass(frozen=True)
 class DealBoard:
-    """One page listing the fruit in a fixed shuffled order, one of them marked on sale."""
+    """Board ``number``: the fruit in one of their 24 orders, one of them marked on sale (:func:`deal_board`)."""
 
     number: int
     order: tuple[str, ...]
@@ -185,21 +188,19 @@ class DealBoard:
 
     @property
     def file(self) -> str:
-        return f"deals-{self.number}.html"
+        return f"{DEAL_PAGE}?board={self.number}"
 
     @property
     def split(self) -> str:
-        return "train" if self.number < DEAL_TRAIN_BOARDS else "heldback"
-
-    @property
-    def title(self) -> str:
-        return "Deals"
+        return "heldback" if self.number % DEAL_HELD_BACK_EVERY == DEAL_HELD_BACK_EVERY - 1 else "train"
 
     def label(self, name: str) -> str:
         return f"{name} {SALE_MARK}" if name == self.sale else name
 
 
+_DEALS_TITLE = "Deals"
 _DEAL_TEXT = "One item is on sale today."
+_NO_BOARD = "No such board."
 
 
 def deal_names() -> list[str]:
@@ -207,16 +208,63 @@ def deal_names() -> list[str]:
     return [name for name, _ in CATEGORIES[DEAL_SECTION]]
 
 
+def _board_hash(number: int) -> int:
+    # A linear congruential step: the page's script computes the same (every product stays below 2**53).
+    return (number * 1103515245 + 12345) % 2**31
+
+
+def deal_board(number: int) -> DealBoard:
+    """Board ``number`` as ``deals.html``'s script draws it: order and sale from a hash of the number (so neither
+    follows from its last digits), the order as the ``k``-th permutation (factorial number system)."""
+    h = _board_hash(number)
+    rank, pool, order = (h >> 8) % 24, deal_names(), []
+    for size in (6, 2, 1, 1):
+        order.append(pool.pop(rank // size))
+        rank %= size
+    return DealBoard(number, tuple(order), deal_names()[(h >> 16) % 4])
+
+
 def deal_boards() -> list[DealBoard]:
-    """Every deal board, train then held back; the item on sale cycles through the fruit within each split, and
-    the listing order is a seeded shuffle per board."""
-    names, boards = deal_names(), []
-    for number in range(DEAL_TRAIN_BOARDS + DEAL_HELD_BACK_BOARDS):
-        within = number if number < DEAL_TRAIN_BOARDS else number - DEAL_TRAIN_BOARDS
-        order = list(names)
-        random.Random(f"deal:{number}").shuffle(order)
-        boards.append(DealBoard(number, tuple(order), names[within % len(names)]))
+    """The boards of the task files: the first boards of each split, until every fruit is on sale on
+    :data:`DEAL_TASKS_PER_FRUIT` of them."""
+    counts = {split: dict.fromkeys(deal_names(), 0) for split in DEAL_TASKS_PER_FRUIT}
+    boards, number = [], 0
+    while any(n < DEAL_TASKS_PER_FRUIT[split] for split, per in counts.items() for n in per.values()):
+        board = deal_board(number)
+        if counts[board.split][board.sale] < DEAL_TASKS_PER_FRUIT[board.split]:
+            counts[board.split][board.sale] += 1
+            boards.append(board)
+        number += 1
     return boards
+
+
+def _deals_script() -> list[str]:
+    names = json.dumps(deal_names())
+    return [
+        "<script>",
+        f"  const names = {names};",
+        '  const raw = new URLSearchParams(location.search).get("board") || "";',
+        "  if (/^[0-9]{1,6}$/.test(raw)) {",
+        "    const h = (Number(raw) * 1103515245 + 12345) % 2147483648;",
+        "    const pool = names.slice(), order = [];",
+        "    let rank = Math.floor(h / 256) % 24;",
+        "    for (const size of [6, 2, 1, 1]) {",
+        "      order.push(pool.splice(Math.floor(rank / size), 1)[0]);",
+        "      rank %= size;",
+        "    }",
+        '    const sale = names[Math.floor(h / 65536) % 4], board = document.getElementById("board");',
+        "    for (const name of order) {",
+        '      const entry = document.createElement("li"), anchor = document.createElement("a");',
+        '      anchor.href = name.toLowerCase() + ".html";',
+        f'      anchor.textContent = name === sale ? name + " {SALE_MARK}" : name;',
+        "      entry.append(anchor);",
+        "      board.append(entry);",
+        "    }",
+        "  } else {",
+        f'    document.getElementById("summary").textContent = "{_NO_BOARD}";',
+        "  }",
+        "</script>",
+    ]
 
 
 def render_pages() -> dict[str, str]:
@@ -260,17 +308,16 @@ def render_pages() -> dict[str, str]:
                 f'<p><a href="{section_file(item.section)}">Back to {item.section}</a></p>',
             ],
         )
-    for board in deal_boards():
-        listed = [(board.label(name), f"{name.lower()}.html") for name in board.order]
-        pages[board.file] = _document(
-            board.title,
-            [
-                f"<h1>{board.title}</h1>",
-                f"<p>{_DEAL_TEXT}</p>",
-                *_links(listed),
-                f'<p><a href="index.html">{_HOME}</a></p>',
-            ],
-        )
+    pages[DEAL_PAGE] = _document(
+        _DEALS_TITLE,
+        [
+            f"<h1>{_DEALS_TITLE}</h1>",
+            f'<p id="summary">{_DEAL_TEXT}</p>',
+            '<ul id="board"></ul>',
+            f'<p><a href="index.html">{_HOME}</a></p>',
+            *_deals_script(),
+        ],
+    )
     return pages
 
 
@@ -280,6 +327,19 @@ def render_pages() -> dict[str, str]:
 def _submit_search(page: PageState) -> str:
     # A GET form: the browser encodes the field as application/x-www-form-urlencoded.
     return "search.html?" + urlencode({"q": page.value("q")})
+
+
+def _deals_page(raw: str) -> Page:
+    home = link(_HOME, "index.html")
+    if not re.fullmatch(r"[0-9]{1,6}", raw):
+        return Page(title=_DEALS_TITLE, text=f"{_DEALS_TITLE}\n{_NO_BOARD}\n{_HOME}", elements=(home,))
+    board = deal_board(int(raw))
+    labels = [board.label(name) for name in board.order]
+    return Page(
+        title=_DEALS_TITLE,
+        text="\n".join([_DEALS_TITLE, _DEAL_TEXT, *labels, _HOME]),
+        elements=(*(link(board.label(name), f"{name.lower()}.html") for name in board.order), home),
+    )
 
 
 def _search_page(query: str) -> Page:
@@ -301,11 +361,15 @@ class ShopSite(Site):
     def __init__(self, pages: Mapping[str, Page], *, origin: str, **kwargs: Any) -> None:
         super().__init__(pages, **kwargs)
         self._search = page_url("search.html", origin)
+        self._deals = page_url(DEAL_PAGE, origin)
 
     def page(self, url: str) -> Page | None:
         parts = urlsplit(url.partition("#")[0])
-        if f"{parts.scheme}://{parts.netloc}{parts.path}" == self._search:
+        where = f"{parts.scheme}://{parts.netloc}{parts.path}"
+        if where == self._search:
             return _search_page(parse_qs(parts.query).get("q", [""])[0])
+        if where == self._deals:
+            return _deals_page(parse_qs(parts.query).get("board", [""])[0])
         return super().page(url)
 
 
@@ -349,16 +413,6 @@ def fake_site(origin: str = SHOP_ORIGIN, *, base: Site | None = None, order_seed
             title=item.name,
             text="\n".join([item.name, price_text(item), back]),
             elements=(link(back, section_file(item.section)),),
-        )
-    for board in deal_boards():
-        labels = [board.label(name) for name in board.order]
-        pages[page_url(board.file, origin)] = Page(
-            title=board.title,
-            text="\n".join([board.title, _DEAL_TEXT, *labels, _HOME]),
-            elements=(
-                *(link(board.label(name), f"{name.lower()}.html") for name in board.order),
-                link(_HOME, "index.html"),
-            ),
         )
     return ShopSite(pages, origin=origin, root=base.root)
 
@@ -419,7 +473,7 @@ def _deal_task(board: DealBoard, origin: str) -> dict[str, Any]:
 def task_records(split: str | None = None, origin: str = SHOP_ORIGIN, *, suite: str = "lookup") -> list[dict[str, Any]]:
     """The tasks of ``suite`` (all, or those of ``split``: ``train`` or ``heldback``).
 
-    ``lookup``: ordered by kind, then catalogue order. ``deal``: by board.
+    ``lookup``: ordered by kind, then catalogue order. ``deal``: by board number.
     """
     if split not in (None, "train", "heldback"):
         raise ValueError(f"split must be 'train', 'heldback' or None, got {split!r}")

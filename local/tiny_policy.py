@@ -101,6 +101,14 @@ class WarmStartSpec:
     seed: int = 0
 
 
+# The deal tasks' policy (training_run.deal_policy_folder, bench/learning_curve.py): solver demonstrations first,
+# so that reading the mark is in the policy's repertoire, then demonstrations that take both routes and read the
+# mark only some of the time, so that reading it is not yet preferred.
+DEAL_MODEL = ModelSpec(initializer_range=0.1)
+DEAL_WARM_START = WarmStartSpec(correct=0.3, guess=0.5, gold_steps=400, steps=150, batch_size=32, lr=3e-3,
+                                warmup_steps=100, demos_per_task=1)  # fmt: skip
+
+
 @dataclass
 class Demonstration:
     task_id: str
@@ -143,6 +151,10 @@ def corpus_lines() -> list[str]:
     for url in site.urls:
         page = site.page(url)
         lines += [f"URL: {url}", f"TITLE: {page.title}", "ELEMENTS:"]
+        lines += [f"  [{i}] {element.tag}: {element.name}" for i, element in enumerate(page.elements)]
+        lines += ["TEXT:", "  " + " ".join(page.text.split())]
+    for board in shop_tasks.deal_boards()[:24]:
+        page = site.page(shop_tasks.page_url(board.file))
         lines += [f"  [{i}] {element.tag}: {element.name}" for i, element in enumerate(page.elements)]
         lines += ["TEXT:", "  " + " ".join(page.text.split())]
     for i in range(10):

@@ -25,6 +25,7 @@ Layout of ``RunSpec.output_dir``: ``command.txt``, ``main_ppo.log``, ``metrics.j
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -689,6 +690,43 @@ def tiny_policy_folder(workdir: Path, seed: int = 0) -> Path:
     if not (folder / tiny_policy.REPORT_FILE).exists():
         tiny_policy.build(folder, warm=tiny_policy.WarmStartSpec(seed=seed))
     return folder
+
+
+def deal_policy_folder(workdir: Path, seed: int = 0) -> Path:
+    """The tiny policy warm-started for the deal tasks (:data:`.tiny_policy.DEAL_WARM_START`), built once per
+    ``workdir``."""
+    from . import shop_tasks, tiny_policy
+
+    folder = workdir / f"deal-policy-seed{seed}"
+    if not (folder / tiny_policy.REPORT_FILE).exists():
+        tiny_policy.build(
+            folder,
+            model_spec=tiny_policy.DEAL_MODEL,
+            warm=dataclasses.replace(tiny_policy.DEAL_WARM_START, seed=seed),
+            task_file=shop_tasks.DEAL_TRAIN_FILE,
+        )
+    return folder
+
+
+@contextlib.contextmanager
+def shop_environment(kind: str = "real") -> Iterator[str]:
+    """The URL of an ``interactive_browser`` serving the Corner Shop: nemo-gym 0.7.0 with Chromium on 127.0.0.1
+    (``real``, the site served on its fixed port) or the fake server in a thread (``fake``: the same observations,
+    checked against Chromium by the integration tier, for the CPU's sake)."""
+    from . import shop_tasks
+
+    if kind == "fake":
+        from ..testing.fake_environment import FakeEnvironmentServer
+
+        with FakeEnvironmentServer(site=shop_tasks.fake_site()).run_in_thread() as fake:
+            yield fake.url
+    elif kind == "real":
+        from ..launch_environment import LocalEnvironment
+
+        with shop_tasks.serve(), LocalEnvironment() as real:
+            yield real.url
+    else:
+        raise ValueError(f"environment must be 'real' or 'fake', not {kind!r}")
 
 
 def _parser() -> Any:

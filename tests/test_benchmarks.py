@@ -26,7 +26,7 @@ def load(name: str) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("name", ["baseline_bias", "rollout_overhead", "chaos"])
+@pytest.mark.parametrize("name", ["baseline_bias", "rollout_overhead", "chaos", "learning_curve"])
 def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
     module = load(name)
 
@@ -44,6 +44,8 @@ def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
         ("baseline_bias", ["--group-size", "1"]),
         ("rollout_overhead", ["--steps", "1"]),
         ("chaos", ["--servers", "0"]),
+        ("learning_curve", ["--rates", "1.0"]),
+        ("learning_curve", ["--group-size", "0"]),
     ],
 )
 def test_each_benchmark_rejects_impossible_settings_with_exit_code_two(name, argv, capsys):

@@ -786,6 +786,13 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
     parser.add_argument(
         "--workdir", type=Path, required=True, metavar="DIR", help="where the rows, the policy and run/ go (see below)"
     )
+    parser.add_argument(
+        "--suite",
+        choices=("lookup", "deal"),
+        default="lookup",
+        help="the Corner Shop tasks: lookup (act on the element the task names, out of the tiny policy's reach; "
+        "default) or deal (name the fruit a board marks on sale, by reading the board or from memory: learnable)",
+    )
     parser.add_argument("--steps", type=int, default=2, help="training steps (default %(default)s)")
     parser.add_argument("--prompts-per-step", type=int, default=4, help="GRPO groups per step (default %(default)s)")
     parser.add_argument("--group-size", type=int, default=4, help="episodes per group, rollout.n (default %(default)s)")
@@ -863,14 +870,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    train, val = prepare_task_rows(workdir, shop_tasks.TRAIN_FILE, shop_tasks.HELD_BACK_FILE)
+    train, val = prepare_task_rows(workdir, *shop_tasks.SUITE_FILES[args.suite])
     if args.model is None:
-        print("building and warm-starting the tiny policy ...", flush=True)
-    model = args.model.resolve() if args.model else tiny_policy_folder(workdir, args.seed)
+        print(f"building and warm-starting the tiny policy for the {args.suite} tasks ...", flush=True)
+    policy_folder = deal_policy_folder if args.suite == "deal" else tiny_policy_folder
+    model = args.model.resolve() if args.model else policy_folder(workdir, args.seed)
     print(f"model {model}; tasks {train} / held back {val}", flush=True)
 
     with shop_tasks.serve(), LocalEnvironment() as environment:
-        held_back = frozenset(record["id"] for record in shop_tasks.task_records("heldback"))
+        held_back = frozenset(record["id"] for record in shop_tasks.task_records("heldback", suite=args.suite))
         rule = faults_spec.rule(args.seed, spare_tasks=held_back)
         with InjectedFaults(environment.url, rule) as faults:
             spec = RunSpec(

@@ -17,7 +17,7 @@ same tokens; the ``same`` column counts the requests whose tokens agree (a float
 batch can, rarely, move a sampled token). Shapes: ``tiny`` is ``tiny_policy.ModelSpec()`` (the project's policy,
 ~194k parameters with its tokenizer); ``larger`` is a 4-layer, 256-wide Qwen2 (~4.2M parameters).
 
-Examples:
+examples:
     python bench/decode_throughput.py                                  # tiny and larger, 1 / 16 / 64 requests
     python bench/decode_throughput.py --shapes tiny --concurrency 1 16 --max-tokens 32
     python bench/decode_throughput.py --threads 2 --json /tmp/decode_throughput.json
@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -127,7 +128,7 @@ def format_row(row: Row) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog=__doc__[__doc__.index("Examples:") :],
+        epilog=__doc__[__doc__.index("examples:") :],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["tiny", "larger"])
@@ -141,10 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=HERE / "decode_throughput.json", help="where the figures go")
     args = parser.parse_args(argv)
     low, high = args.prompt_tokens
+    problem = None
     if min(args.concurrency) < 1 or args.max_tokens < 1 or args.threads < 1 or not 1 <= low <= high:
-        parser.error("--concurrency, --max-tokens and --threads must be positive, --prompt-tokens MIN <= MAX")
-    if high + args.max_tokens > tiny_policy.PROMPT_LENGTH + tiny_policy.RESPONSE_LENGTH:
-        parser.error("--prompt-tokens MAX plus --max-tokens exceeds the tiny policy's context")
+        problem = "--concurrency, --max-tokens and --threads must be positive, --prompt-tokens MIN <= MAX"
+    elif high + args.max_tokens > tiny_policy.PROMPT_LENGTH + tiny_policy.RESPONSE_LENGTH:
+        problem = "--prompt-tokens MAX plus --max-tokens exceeds the tiny policy's context"
+    if problem:
+        print(f"decode_throughput.py: error: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     print(header("decode throughput of the hfcpu rollout server: serial vs batched"), flush=True)
     print(

@@ -386,11 +386,22 @@ def build(
     model_spec: ModelSpec = ModelSpec(),
     warm: WarmStartSpec = WarmStartSpec(),
     task_file: Path = shop_tasks.TRAIN_FILE,
+    start_from: Path | None = None,
 ) -> WarmStartReport:
-    """Build the tokenizer and the model, warm-start it on demonstrations of ``task_file``'s tasks, save the folder."""
+    """Build the tokenizer and the model, warm-start it on demonstrations of ``task_file``'s tasks, save the folder.
+
+    ``start_from``: continue from the weights of a folder this function wrote (same tokenizer) instead of a new
+    model; ``model_spec`` is then that folder's.
+    """
     output_dir = Path(output_dir)
     tokenizer = policy_tokenizer()
-    model = build_model(tokenizer, model_spec, warm.seed)
+    if start_from is not None:
+        model = Qwen2ForCausalLM.from_pretrained(start_from, attn_implementation="sdpa")
+        if model.config.vocab_size != len(tokenizer):
+            raise ValueError(f"{start_from} was built with another tokenizer ({model.config.vocab_size} tokens)")
+        model_spec = ModelSpec(**json.loads((Path(start_from) / REPORT_FILE).read_text())["model"])
+    else:
+        model = build_model(tokenizer, model_spec, warm.seed)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tiny-policy-") as workdir:
         samples = load_samples(Path(task_file), Path(workdir))
@@ -632,6 +643,10 @@ def _parser() -> argparse.ArgumentParser:
     build_cmd.add_argument("--output", type=Path, required=True, metavar="DIR", help="the model folder to write")
     build_cmd.add_argument("--seed", type=int, default=warm.seed, help="seed of weights, demonstrations, batches")
     build_cmd.add_argument(
+        "--start-from", type=Path, metavar="DIR",
+        help="continue from the weights of a folder build wrote (its model settings apply) instead of a new model",
+    )  # fmt: skip
+    build_cmd.add_argument(
         "--suite", choices=shop_tasks.SUITES, default="lookup",
         help="the training tasks to demonstrate: lookup (act on the element the task names) or deal (name the item "
         "marked on sale; answered at once from memory by a --guess share of demonstrations) (default %(default)s)",
@@ -717,7 +732,10 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         warmup_steps=min(args.warmup_steps, args.steps),
         seed=args.seed,
     )
-    report = build(args.output, model_spec=spec, warm=warm, task_file=shop_tasks.SUITE_FILES[args.suite][0])
+    if args.start_from is not None and not (args.start_from / REPORT_FILE).is_file():
+        parser.error(f"--start-from {args.start_from} has no {REPORT_FILE} (write one with the build command)")
+    task_file = shop_tasks.SUITE_FILES[args.suite][0]
+    report = build(args.output, model_spec=spec, warm=warm, task_file=task_file, start_from=args.start_from)
     last = report.losses[-20:]
     print(
         f"wrote {args.output}: {report.parameters:,} parameters; {report.demonstrations} demonstrations "

@@ -26,7 +26,7 @@ def load(name: str) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("name", ["baseline_bias", "rollout_overhead", "chaos", "learning_curve"])
+@pytest.mark.parametrize("name", ["baseline_bias", "rollout_overhead", "chaos", "learning_curve", "decode_throughput"])
 def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
     module = load(name)
 
@@ -46,6 +46,7 @@ def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
         ("chaos", ["--servers", "0"]),
         ("learning_curve", ["--rates", "1.0"]),
         ("learning_curve", ["--group-size", "0"]),
+        ("decode_throughput", ["--concurrency", "0"]),
     ],
 )
 def test_each_benchmark_rejects_impossible_settings_with_exit_code_two(name, argv, capsys):

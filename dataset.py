@@ -11,8 +11,9 @@ What it reads
     ``initial_url``, optional ``verifier_metadata`` and ``agent_ref``, and the task fields that
     ``prepare_webvoyager_data.py`` adds (``task_id``, ``site``, ``question``, ``reference_answer``,
     ``reference_type``, ``data_source``, ``task_metadata``). The validation is the one the preparation script
-    applies, so a row that would make the server answer 500 at verify time is refused at load time with its
-    ``file:line`` (:class:`RowError`).
+    applies, ``verifier_metadata`` under the one rule of :func:`rows.validate_verifier_metadata`, so a row that
+    the server would answer 500 or grade on another key than it names at verify time is refused at load time with
+    its ``file:line`` (:class:`RowError`).
 
 What each sample holds (the contract with ``browser_agent_loop.py``; every key is present in every sample, so
 verl's ``collate_fn`` makes one column per key)

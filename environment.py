@@ -53,11 +53,11 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
+from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
+from .rows import validate_verifier_metadata as validate_verifier_metadata
 
 logger = logging.getLogger(__name__)
 
-# The grading keys the 0.7.0 server knows, in the order it checks them. Any other key answers 500 at verify.
-VERIFIER_KEYS = ("answer_equals", "final_url", "url_contains", "dom_contains")
 TOOL_NAMES = ("browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish")
 # Calls that are safe to repeat after a transport error (see the module docstring for why).
 IDEMPOTENT_TOOLS = frozenset({"browser_observe", "browser_navigate", "browser_finish"})
@@ -238,18 +238,6 @@ def _verify_body(rollout_id: str) -> dict[str, Any]:
             "tools": [],
         },
     }
-
-
-def validate_verifier_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Reject metadata the server could not grade (it answers 500 at verify time). ``None``/empty means no verifier."""
-    if not metadata:
-        return None
-    if not isinstance(metadata, Mapping):
-        raise ValueError(f"verifier_metadata must be a mapping, got {type(metadata).__name__}")
-    unknown = sorted(set(metadata) - set(VERIFIER_KEYS))
-    if unknown:
-        raise ValueError(f"unknown verifier_metadata keys {unknown}; the server knows {list(VERIFIER_KEYS)}")
-    return dict(metadata)
 
 
 def _browser_gone(error: str) -> bool:

@@ -13,7 +13,9 @@ proves every override key exists) and hands the result to this CLI, which checks
                  with the trainer config's ``nemo_gym_browser`` section on top) build, unknown keys rejected;
 * ``tools``      verl loads the tool config (``load_all_tools``), as each AgentLoopWorker will;
 * ``data``       verl resolves ``data.custom_cls``, the class loads every train and val row, the agent loop can
-                 read each row's episode, and there is at least one full batch (verl drops the last incomplete one);
+                 read each row's episode, its ``verifier_metadata`` keeps the one rule of ``rows.py`` (one known
+                 key, a non-empty string: the server grades only one), and there is at least one full batch (verl
+                 drops the last incomplete one);
 * ``interface``  every row teaches the tools the tool config gives the model: rows record the interface they were
                  prepared for as the tools in ``responses_create_params.tools`` (``prepare_webvoyager_data.py
                  --tool-interface``), and a prompt that teaches a tool the model is not given makes every call an
@@ -251,9 +253,12 @@ def _load_rows(ctx: Context, dataset_cls: Any, files: Any, tokenizer: Any) -> An
         raise CheckFailed(f"{dataset_cls.__name__} rejected {data_files}: {exc}") from exc
 
 
-def _row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
+def row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
+    """What the checks need of one dataset sample; CheckFailed, at the row's location, when the agent loop could not
+    read its episode or its ``verifier_metadata`` breaks the one rule (a custom dataset class may not apply it)."""
     from nemo_gym_browser.browser_agent_loop import EpisodeSpec
     from nemo_gym_browser.dataset import row_tool_names
+    from nemo_gym_browser.rows import VerifierMetadataError, validate_verifier_metadata
 
     extra_info = sample.get("extra_info")
     location = extra_info.get("source") if isinstance(extra_info, dict) else None
@@ -262,8 +267,12 @@ def _row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
         spec = EpisodeSpec.from_tools_kwargs(sample.get("tools_kwargs"))
     except ValueError as exc:
         raise CheckFailed(f"{location}: the agent loop cannot read this row's episode: {exc}") from exc
+    try:
+        verifier = validate_verifier_metadata(spec.verifier_metadata)
+    except VerifierMetadataError as exc:
+        raise CheckFailed(f"{location}: {exc}") from exc
     names = row_tool_names(sample)
-    return RowFacts(location, spec.verifier_metadata is None, None if names is None else tuple(names))
+    return RowFacts(location, verifier is None, None if names is None else tuple(names))
 
 
 def check_data(ctx: Context) -> str:
@@ -288,7 +297,7 @@ def check_data(ctx: Context) -> str:
             sample = dataset[index]
             if index < MAX_PROMPTS_RENDERED:
                 ctx.prompts.append(sample["raw_prompt"])
-            ctx.rows.append(_row_facts(sample, f"{split} row {index}"))
+            ctx.rows.append(row_facts(sample, f"{split} row {index}"))
     steps = len(train) // data.train_batch_size
     return f"{dataset_cls.__name__}: {len(train)} train rows ({steps} step(s) per epoch), {len(val)} val rows"
 

@@ -11,9 +11,9 @@ What this module owns
     * The row contract that ``dataset.py`` reads back (:func:`task_from_nemo_gym_row`): a NeMo Gym row plus the
       task fields this recipe adds (``task_id``, ``site``, ``question``, ``reference_answer``,
       ``reference_type``, ``data_source``, ``task_metadata``).
-    * Validating ``verifier_metadata`` against the keys the 0.7.0 server grades (:data:`VERIFIER_KEYS`): an
-      unknown key, an empty value or several keys (the server silently grades only the first) would surface as
-      a 500 or a wrong reward at verify time, long after the data was made.
+    * Applying the one ``verifier_metadata`` rule (:func:`rows.validate_verifier_metadata`) to every task: an
+      unknown key, an empty value or several keys (the server silently grades only the first) is refused here with
+      its ``file:line``, not found as a 500 or a wrong reward at verify time, long after the data was made.
     * A deterministic split: a task is in validation when a hash of ``(seed, task id)`` falls below the
       validation fraction, so adding or removing other tasks never moves it.
     * The report of tasks whose question names a calendar date that is already past (:func:`find_named_dates`).
@@ -47,7 +47,8 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from nemo_gym_browser.environment import TOOL_NAMES, VERIFIER_KEYS
+from nemo_gym_browser.environment import TOOL_NAMES
+from nemo_gym_browser.rows import VERIFIER_KEYS, VerifierMetadataError, validate_verifier_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -242,38 +243,12 @@ def _pick(obj: Mapping[str, Any], names: Sequence[str]) -> tuple[str | None, Any
     return used, obj[used], conflicts
 
 
-def validate_verifier_metadata(value: Any, location: str) -> dict[str, str] | None:
-    """Grading spec the server can use, or None for a task without one (the judge grades it).
-
-    Null values are dropped (they mean "not set", as in NeMo Gym's TaskData, and columnar datasets fill them in).
-    What remains must be exactly one known key with a non-empty string value: the server checks the keys in the
-    order of :data:`VERIFIER_KEYS` and grades only the first it finds, so a second key would be silently ignored.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise InputError(location, f"'verifier_metadata' must be an object, got {type(value).__name__}")
-    spec = {key: val for key, val in value.items() if val is not None}
-    if not spec:
-        return None
-    unknown = sorted(set(spec) - set(VERIFIER_KEYS))
-    if unknown:
-        raise InputError(
-            location,
-            f"unknown verifier_metadata key(s) {unknown}: the server knows {list(VERIFIER_KEYS)} "
-            "and answers 500 at verify time for anything else",
-        )
-    if len(spec) > 1:
-        keys = [key for key in VERIFIER_KEYS if key in spec]
-        raise InputError(
-            location,
-            f"verifier_metadata has {len(keys)} grading keys {keys}; the server grades only the first ({keys[0]}): "
-            "keep exactly one",
-        )
-    ((key, val),) = spec.items()
-    if not isinstance(val, str) or not val.strip():
-        raise InputError(location, f"verifier_metadata['{key}'] must be a non-empty string, got {val!r}")
-    return {key: val}
+def _verifier_metadata(value: Any, location: str) -> dict[str, str] | None:
+    """The row's grading spec under the one rule (:func:`rows.validate_verifier_metadata`), located on refusal."""
+    try:
+        return validate_verifier_metadata(value)
+    except VerifierMetadataError as exc:
+        raise InputError(location, str(exc)) from exc
 
 
 def _json_safe(value: Any, location: str, name: str) -> Any:
@@ -324,7 +299,7 @@ def task_from_webvoyager(obj: Mapping[str, Any], location: str) -> Task:
         question=question.strip(),
         site=site.strip(),
         initial_url=url.strip(),
-        verifier_metadata=validate_verifier_metadata(obj.get("verifier_metadata"), location),
+        verifier_metadata=_verifier_metadata(obj.get("verifier_metadata"), location),
         reference_answer=reference_answer,
         reference_type=reference_type,
         metadata=metadata,
@@ -401,7 +376,7 @@ def task_from_nemo_gym_row(row: Mapping[str, Any], location: str) -> Task:
         question=_require_text(question, "question", location).strip(),
         site=row.get("site"),
         initial_url=initial_url,
-        verifier_metadata=validate_verifier_metadata(row.get("verifier_metadata"), location),
+        verifier_metadata=_verifier_metadata(row.get("verifier_metadata"), location),
         reference_answer=row.get("reference_answer"),
         reference_type=row.get("reference_type"),
         metadata=dict(metadata),
@@ -806,7 +781,8 @@ input:
   kept under task_metadata. A row with a field and its alias uses WebVoyager's field (id is the task id) and keeps
   the alias under task_metadata; a warning per input counts the rows where the two differ. A line with
   responses_create_params is a NeMo Gym row and passes through, validated. verifier_metadata, where given, must
-  hold exactly one of {", ".join(VERIFIER_KEYS)}.
+  hold exactly one of {", ".join(VERIFIER_KEYS)}, a non-empty string (the server grades only the first of
+  these it finds, in this order, and ignores the rest).
 
 split:
   A task goes to validation when sha256(seed, task id) falls below --val-fraction: deterministic, and stable

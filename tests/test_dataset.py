@@ -278,7 +278,11 @@ def test_nemo_gym_rows_keep_their_verifier_agent_ref_and_extra_fields(tmp_path):
             [nemo_row(), "", {"id": "A--1", "ques": "q", "web": "https://a.example/"}],
             "rows.jsonl:3: not a NeMo Gym row",
         ),
-        ([nemo_row(verifier_metadata={"dom_contain": "x"})], "rows.jsonl:1: unknown verifier_metadata key(s)"),
+        ([nemo_row(verifier_metadata={"dom_contain": "x"})], "rows.jsonl:1: unknown verifier_metadata keys"),
+        (
+            [nemo_row(verifier_metadata={"dom_contains": "x", "final_url": "y"})],
+            "rows.jsonl:1: verifier_metadata has 2 grading keys ['final_url', 'dom_contains'], but the server grades",
+        ),
         ([nemo_row(responses_create_params={"input": []})], "rows.jsonl:1: 'responses_create_params.input' must be"),
         ([nemo_row(task_id="a"), nemo_row(task_id="a")], "rows.jsonl:2: duplicate task id 'a' (first at"),
         (["", "  "], "no rows in"),

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import pytest
 
+from nemo_gym_browser import rows
 from nemo_gym_browser.environment import (
+    VERIFIER_KEYS,
     EnvironmentClient,
     EnvironmentConfig,
     EnvironmentFailure,
@@ -318,21 +321,34 @@ async def test_a_url_the_policy_chose_that_fails_to_load_comes_back_as_an_error(
     assert still_there.error is None
 
 
-async def test_an_unknown_verifier_key_is_refused_before_any_request_and_holds_no_slot(server, client):
-    with pytest.raises(ValueError, match="unknown verifier_metadata keys"):
-        async with open_session(client, verifier={"url_equals": "x"}):
+@pytest.mark.parametrize(
+    ("verifier", "message"),
+    [
+        ({"url_equals": "x"}, "unknown verifier_metadata keys ['url_equals']"),
+        ({"dom_contains": "x", "final_url": "y"}, "the server grades only one"),
+        ({"url_contains": ""}, "must be a non-empty string"),
+    ],
+    ids=["unknown-key", "two-keys", "empty-value"],
+)
+async def test_metadata_the_server_would_misgrade_is_refused_before_any_request_and_holds_no_slot(
+    server, client, verifier, message
+):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        async with open_session(client, verifier=verifier):
             pass
     assert server.calls() == 0
     assert client.outstanding == {server.url: 0}
 
 
-def test_verifier_metadata_validation_accepts_the_four_keys_and_treats_empty_as_none():
-    assert validate_verifier_metadata({"dom_contains": "x", "final_url": "y"}) == {
-        "dom_contains": "x",
-        "final_url": "y",
-    }
-    assert validate_verifier_metadata({}) is None
-    assert validate_verifier_metadata(None) is None
+def test_the_client_applies_the_one_row_rule_and_still_exports_it():
+    assert validate_verifier_metadata is rows.validate_verifier_metadata
+    assert VERIFIER_KEYS is rows.VERIFIER_KEYS
+
+
+async def test_null_values_are_not_sent_to_the_server(server, client):
+    async with open_session(client, verifier={"final_url": None, "url_contains": "index.html"}) as session:
+        verdict = await session.verify()
+    assert verdict.reward == 1.0  # the fake, like the real server, would grade final_url == None had the null gone out
 
 
 async def test_verify_without_verifier_metadata_is_a_programming_error(server, client):

@@ -444,12 +444,17 @@ BAD_INPUTS = [
     pytest.param([task(0), {"id": "A--1", "web": "https://a.example/"}], ":2: 'ques' must be a non-", id="missing"),
     pytest.param([task(0), task(1), task(0)], ":3: duplicate task id 'Allrecipes--0' (first at", id="duplicate-id"),
     pytest.param(
-        [task(0, verifier_metadata={"url_contain": "x"})], ":1: unknown verifier_metadata key(s) ['url_contain']",
+        [task(0, verifier_metadata={"url_contain": "x"})], ":1: unknown verifier_metadata keys ['url_contain']",
         id="unknown-verifier-key",
     ),
     pytest.param(
         [task(0, verifier_metadata={"dom_contains": "a", "url_contains": "b"})],
-        ":1: verifier_metadata has 2 grading keys ['url_contains', 'dom_contains']", id="two-verifier-keys",
+        ":1: verifier_metadata has 2 grading keys ['url_contains', 'dom_contains'], but the server grades only one",
+        id="two-verifier-keys",
+    ),
+    pytest.param(
+        [{"responses_create_params": {"input": "Go."}, "verifier_metadata": {"final_url": "a", "answer_equals": "b"}}],
+        ":1: verifier_metadata has 2 grading keys ['answer_equals', 'final_url']", id="two-verifier-keys-nemo-row",
     ),
     pytest.param(
         [task(0, verifier_metadata={"answer_equals": " "})], ":1: verifier_metadata['answer_equals'] must be",

@@ -1,8 +1,9 @@
 """The real nemo-gym 0.7.0 interactive_browser server, spoken to in raw HTTP (plain aiohttp, no client of ours).
 
-These tests pin down the wire facts the rest of the project (environment.py, the fake server) is built on: the
-typed seed and its cookie, the observation format, verify's required body and its answers, the status codes of the
-failure paths, the close answers, and that a closed or verified session leaves no browser open on the server side.
+These tests pin down the wire facts the rest of the project (environment.py, rows.py, the fake server) is built on:
+the typed seed and its cookie, the observation format, verify's required body and its answers, which
+``verifier_metadata`` key is graded when a row carries several or odd ones, the status codes of the failure paths,
+the close answers, and that a closed or verified session leaves no browser open on the server side.
 They run against ``http://127.0.0.1:PORT`` on purpose: an IP-address host is where aiohttp's default cookie jar
 drops the session cookie.
 """
@@ -21,6 +22,7 @@ import pytest
 
 from nemo_gym_browser.launch_environment import BrowserState, LocalEnvironment
 from nemo_gym_browser.local.local_site import LocalSite
+from nemo_gym_browser.rows import VerifierMetadataError, validate_verifier_metadata
 
 pytestmark = pytest.mark.integration
 
@@ -206,6 +208,78 @@ async def test_every_verifier_key_scores_the_finished_search_episode(
         status, body = await post(http, f"{env.url}/verify", VERIFY_BODY)
         assert status == 200
         assert (body["reward"], body["failure_reason"], body["mask_sample"]) == (expected, None, False)
+
+
+# --------------------------------------------------------------------------------------------- verifier_metadata
+# Every case seeds the About page, finishes with the answer "done" and verifies; {about} is that page's URL. The last
+# field is what rows.validate_verifier_metadata makes of the spec: REFUSED for every spec the server would grade on
+# another key than the row's author meant, or on a value that measures nothing.
+REFUSED = "refused"
+ODD_SPECS = [
+    pytest.param({"final_url": "{about}", "dom_contains": "Results for"}, 1.0, REFUSED, id="final_url-hit-dom-miss"),
+    pytest.param({"dom_contains": "Results for", "final_url": "{about}"}, 1.0, REFUSED, id="dom-miss-final_url-hit"),
+    pytest.param({"final_url": "{about}?x", "dom_contains": "founded in"}, 0.0, REFUSED, id="final_url-miss-dom-hit"),
+    pytest.param({"dom_contains": "founded in", "final_url": "{about}?x"}, 0.0, REFUSED, id="dom-hit-final_url-miss"),
+    pytest.param({"url_contains": "about.html", "answer_equals": "nope"}, 0.0, REFUSED, id="url-hit-answer-miss"),
+    pytest.param({"dom_contains": "founded in", "url_contains": "index"}, 0.0, REFUSED, id="dom-hit-url-miss"),
+    pytest.param({"url_contains": "about.html", "title_is": "nope"}, 1.0, REFUSED, id="unknown-key-beside-a-known"),
+    pytest.param({"dom_contains": ""}, 1.0, REFUSED, id="empty-dom_contains-matches-any-page"),
+    pytest.param({"url_contains": ""}, 1.0, REFUSED, id="empty-url_contains-matches-any-url"),
+    # The server counts a null as a key; the rule drops it, so what it returns (not the row) must be sent.
+    pytest.param(
+        {"final_url": None, "url_contains": "about.html"}, 0.0, {"url_contains": "about.html"}, id="null-is-a-key"
+    ),
+    pytest.param({"url_contains": "about.html"}, 1.0, {"url_contains": "about.html"}, id="one-key"),
+]
+
+
+@pytest.mark.parametrize(("verifier", "expected", "rule"), ODD_SPECS)
+async def test_the_server_grades_only_the_first_known_key_present_whatever_else_the_spec_holds(
+    env: LocalEnvironment,
+    http: aiohttp.ClientSession,
+    local_site: LocalSite,
+    verifier: dict,
+    expected: float,
+    rule: dict | str,
+):
+    about = local_site.page("about.html")
+    verifier = {key: value.format(about=about) if isinstance(value, str) else value for key, value in verifier.items()}
+    async with seeded(http, env, about, verifier) as seed:
+        assert seed.status == 200
+        _, body = await post(http, f"{env.url}/browser_finish", {"answer": "done"})
+        assert body["done"] is True
+        status, body = await post(http, f"{env.url}/verify", VERIFY_BODY)
+    assert status == 200
+    assert (body["reward"], body["failure_reason"]) == (expected, None)
+    if rule == REFUSED:
+        with pytest.raises(VerifierMetadataError):
+            validate_verifier_metadata(verifier)
+    else:
+        assert validate_verifier_metadata(verifier) == rule
+
+
+async def test_a_number_in_url_contains_is_reported_as_an_unreachable_browser_not_graded(
+    env: LocalEnvironment, http: aiohttp.ClientSession, local_site: LocalSite
+):
+    async with seeded(http, env, local_site.page("about.html"), {"url_contains": 1999}) as seed:
+        assert seed.status == 200
+        status, body = await post(http, f"{env.url}/verify", VERIFY_BODY)
+    assert status == 200 and body["reward"] == 0.0
+    assert body["failure_reason"].startswith("browser unreachable while scoring: TypeError: ")
+    with pytest.raises(VerifierMetadataError, match="must be a non-empty string, got 1999"):
+        validate_verifier_metadata({"url_contains": 1999})
+
+
+@pytest.mark.parametrize("verifier", [None, {}], ids=["none", "empty"])
+async def test_a_seed_without_a_spec_answers_500_at_verify(
+    env: LocalEnvironment, http: aiohttp.ClientSession, local_site: LocalSite, verifier: dict | None
+):
+    async with seeded(http, env, local_site.page("about.html"), verifier) as seed:
+        assert seed.status == 200
+        status, body = await post(http, f"{env.url}/verify", VERIFY_BODY)
+    assert status == 500
+    assert "verifier_metadata has no supported scoring key (got [];" in body
+    assert validate_verifier_metadata(verifier) is None  # no spec: the judge grades the task, /verify is not called
 
 
 # --------------------------------------------------------------------------------------------- failure paths

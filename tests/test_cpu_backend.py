@@ -418,6 +418,18 @@ async def test_with_full_determinism_identical_prompts_are_told_apart_by_their_r
     assert len({tuple(out.token_ids) for out in first}) == 8
 
 
+async def test_with_full_determinism_and_one_request_id_for_all_a_group_still_draws_distinct_streams(policy_dir):
+    # verl's V1 trainer passes no priority: every request of a group is "det-0", with the same first prompt.
+    prompts = [PROMPT] * 8
+    params = {"temperature": 1.0, "max_tokens": 16, "ignore_eos": True}
+    config = rollout_config(full_determinism=True)
+    first = await generate_all(HFCpuServer(config, model_config(policy_dir)), prompts, params, ["det-0"] * 8)
+    again = await generate_all(HFCpuServer(config, model_config(policy_dir)), prompts, params, ["det-0"] * 8)
+
+    assert len({tuple(out.token_ids) for out in first}) == 8
+    assert sorted(out.token_ids for out in again) == sorted(out.token_ids for out in first)
+
+
 async def test_the_same_prompt_sent_again_samples_a_fresh_stream(server):
     params = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
     first, second = await generate_all(server, [PROMPT, PROMPT], params)

@@ -40,14 +40,14 @@ Sampling streams (what makes two runs with the same seed produce the same tokens
     are in flight or on the order the requests arrived in. Its seed is the request's ``seed`` sampling parameter
     if given (as vLLM's per-request seed), else :func:`request_seed` of the server seed (``rollout.seed`` plus the
     replica rank, as vLLM's engine seed), the weight version (updates received and ``global_steps``), the prompt
-    ids and one of two keys:
-      * with ``rollout.full_determinism``, the ``request_id``: verl then sends ``det-<priority>``, stable across
-        runs and distinct for every sample of a batch (``ToolAgentLoop``, the recipe's loop and
-        ``LLMServerClient`` all pass it through), so each episode gets the same tokens in both runs;
-      * otherwise verl sends a fresh ``uuid4`` per turn, useless as a key, so the key is how many requests with the
-        same prompt ids this server has received under this weight version before. Two runs then produce the same
-        set of episodes, but the samples of a group (whose first prompts are identical) may swap between group
-        members when the members' requests arrive in another order. ``full_determinism`` pins that down too.
+    ids, the ``request_id`` when ``rollout.full_determinism`` is on (verl then sends ``det-<priority>``, stable
+    across runs; otherwise a fresh ``uuid4`` per turn, useless as a key), and how many requests with that same key
+    this server has received under this weight version before. The count is what tells apart the samples of a
+    group, whose first prompts are identical and whose request ids may be too (verl's V1 trainer passes no
+    ``priority``, so every request is ``det-0``), and a re-run attempt from the one it replaces. Two runs with the
+    same seed then produce the same set of episodes in every group whatever order requests arrive in: the samples
+    whose prompts are identical are interchangeable, so which of them draws which stream changes nothing
+    (``tests/test_main_ppo_determinism.py``).
 
 Guarantees
     * A response is never produced by two weight versions: a weight update stops admitting requests, waits until
@@ -502,15 +502,15 @@ class HFCpuServer:
 
     def _request_seed(self, prompt: list[int], request_id: str) -> int:
         version = (self.weight_updates, self.global_steps)
-        if self.config.full_determinism:
-            return request_seed(self.seed, version, prompt, f"id:{request_id}")
         if version != self._counted_version:
             self._prompt_counts.clear()  # counts restart with every weight version (the version is in the hash)
             self._counted_version = version
-        key = hashlib.blake2b(repr(prompt).encode(), digest_size=16).digest()
+        # verl's run-stable request id under full_determinism, else nothing (a fresh uuid4 per turn is no key)
+        name = f"id:{request_id}" if self.config.full_determinism else "n"
+        key = hashlib.blake2b(f"{name}|{prompt!r}".encode(), digest_size=16).digest()
         occurrence = self._prompt_counts[key]
         self._prompt_counts[key] += 1
-        return request_seed(self.seed, version, prompt, f"n:{occurrence}")
+        return request_seed(self.seed, version, prompt, f"{name}:{occurrence}")
 
     @staticmethod
     def _output(

@@ -89,9 +89,6 @@ class WarmStartSpec:
 
     correct: float = 0.4
     guess: float = 0.5  # deal tasks: the share of demonstrations that answer at once, without the browser
-    # Steps on solver demonstrations (always the named element, never a guess) before the mixed ones: they teach
-    # the skill, which the mixed demonstrations then make one choice among others (0: no such phase).
-    gold_steps: int = 0
     demos_per_task: int = 2
     steps: int = 300
     batch_size: int = 8
@@ -101,12 +98,18 @@ class WarmStartSpec:
     seed: int = 0
 
 
-# The deal tasks' policy (training_run.deal_policy_folder, bench/learning_curve.py): solver demonstrations first,
-# so that reading the mark is in the policy's repertoire, then demonstrations that take both routes and read the
-# mark only some of the time, so that reading it is not yet preferred.
+# The deal tasks' policy (build_deal; shipped as DEAL_POLICY_DIR). Two phases: solver demonstrations (always read
+# the board) until reading the mark is in the policy's repertoire (3,000 steps: at 400 and 1,500 it read the mark
+# on 25 % and 51 % of held-back boards, where 25 % is chance; at 3,000 on all of them), then demonstrations of
+# which three in four answer at once from memory, so that the policy mostly guesses. Demonstrations that read the
+# board and then name a wrong fruit were tried for the second phase instead (100-300 steps): they undid the
+# reading (25-35 % right after observing), and RL then had nothing to lift.
 DEAL_MODEL = ModelSpec(initializer_range=0.1)
-DEAL_WARM_START = WarmStartSpec(correct=0.3, guess=0.5, gold_steps=400, steps=150, batch_size=32, lr=3e-3,
-                                warmup_steps=100, demos_per_task=1)  # fmt: skip
+DEAL_SOLVER = WarmStartSpec(correct=1.0, guess=0.0, demos_per_task=1, steps=3000, batch_size=32, lr=3e-3,
+                            warmup_steps=100)  # fmt: skip
+DEAL_MIXED = WarmStartSpec(correct=1.0, guess=0.75, demos_per_task=1, steps=200, batch_size=32, lr=1e-3,
+                           warmup_steps=20, seed=1)  # fmt: skip
+DEAL_POLICY_DIR = Path(__file__).resolve().parent / "deal_policy"
 
 
 @dataclass
@@ -135,6 +138,7 @@ class WarmStartReport:
     demo_seconds: float
     train_seconds: float
     losses: list[float] = field(default_factory=list)
+    start_from: dict[str, Any] | None = None  # the report of the folder this one continued from, losses left out
 
 
 # ----- tokenizer and model --------------------------------------------------------------------------------------
@@ -415,21 +419,9 @@ def build(
                 guess=warm.guess,
             )
         )
-        gold = []
-        if warm.gold_steps > 0:
-            gold = asyncio.run(
-                collect_demonstrations(
-                    tokenizer, samples, correct=1.0, per_task=warm.demos_per_task, seed=warm.seed + 1, guess=0.0
-                )
-            )
     demo_seconds = time.monotonic() - started
     started = time.monotonic()
-    losses = []
-    if gold:
-        gold_spec = replace(warm, steps=warm.gold_steps, warmup_steps=min(warm.warmup_steps, warm.gold_steps))
-        losses += warm_start(model, gold, gold_spec, tokenizer.pad_token_id)
-    if warm.steps > 0:
-        losses += warm_start(model, demos, warm, tokenizer.pad_token_id)
+    losses = warm_start(model, demos, warm, tokenizer.pad_token_id) if warm.steps > 0 else []
     train_seconds = time.monotonic() - started
 
     kinds = sorted({demo.kind for demo in demos})
@@ -447,12 +439,41 @@ def build(
         demo_seconds=round(demo_seconds, 2),
         train_seconds=round(train_seconds, 2),
         losses=[round(loss, 4) for loss in losses],
+        start_from=_summary(start_from) if start_from is not None else None,
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     (output_dir / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _summary(folder: Path) -> dict[str, Any]:
+    report = json.loads((Path(folder) / REPORT_FILE).read_text())
+    report["final_loss"] = report["losses"][-1] if report.get("losses") else None
+    report.pop("losses", None)
+    return report
+
+
+def build_deal(output_dir: Path, *, seed: int = 0, solver_dir: Path | None = None) -> WarmStartReport:
+    """The deal policy: :data:`DEAL_SOLVER` into ``solver_dir`` (default: ``output_dir`` with ``-solver`` appended;
+    kept, and reused when it is already there), then :data:`DEAL_MIXED` from its weights into ``output_dir``. Seeds
+    are offset by ``seed``. About 15 minutes on 2 cores, 13 of them for the solver."""
+    output_dir = Path(output_dir)
+    solver_dir = Path(solver_dir) if solver_dir is not None else output_dir.with_name(output_dir.name + "-solver")
+    if not (solver_dir / REPORT_FILE).exists():
+        build(
+            solver_dir,
+            model_spec=DEAL_MODEL,
+            warm=replace(DEAL_SOLVER, seed=DEAL_SOLVER.seed + seed),
+            task_file=shop_tasks.DEAL_TRAIN_FILE,
+        )
+    return build(
+        output_dir,
+        warm=replace(DEAL_MIXED, seed=DEAL_MIXED.seed + seed),
+        task_file=shop_tasks.DEAL_TRAIN_FILE,
+        start_from=solver_dir,
+    )
 
 
 # ----- evaluation -----------------------------------------------------------------------------------------------
@@ -520,6 +541,7 @@ class EvaluationResult:
     tokens_per_episode: float
     generated_tokens_per_episode: float
     seconds: float
+    episodes_played: list[tuple[str, float, int]] = field(default_factory=list)  # (task id, reward, browser calls)
 
 
 async def evaluate(
@@ -556,7 +578,7 @@ async def evaluate(
                 for split, split_samples in samples.items():
                     started, turns, calls, generated = time.monotonic(), policy.turns, policy.tool_calls, 0
                     rewards: dict[str, list[float]] = {}
-                    tokens, browsed = [], []
+                    tokens, browsed, played = [], [], []
                     for sample in split_samples:
                         for _ in range(episodes_per_task if temperature > 0 else 1):
                             before = policy.generated_tokens
@@ -571,7 +593,9 @@ async def evaluate(
                             kind = records[sample["extra_info"]["task_id"]]["kind"]
                             rewards.setdefault(kind, []).append(output.reward_score or 0.0)
                             tokens.append(len(output.prompt_ids) + len(output.response_ids))
-                            browsed.append(output.extra_fields.get("env_browser_actions", 0) > 0)
+                            actions = int(output.extra_fields.get("env_browser_actions", 0))
+                            browsed.append(actions > 0)
+                            played.append((sample["extra_info"]["task_id"], output.reward_score or 0.0, actions))
                             generated += policy.generated_tokens - before
                     every = [reward for kind_rewards in rewards.values() for reward in kind_rewards]
                     results.append(
@@ -586,6 +610,7 @@ async def evaluate(
                             tokens_per_episode=sum(tokens) / len(tokens),
                             generated_tokens_per_episode=generated / len(every),
                             seconds=time.monotonic() - started,
+                            episodes_played=played,
                         )
                     )
                     logger.info("evaluated %s", results[-1])
@@ -605,6 +630,10 @@ examples:
 
   # the untrained model and its tokenizer only (no demonstrations, no training)
   python -m nemo_gym_browser.local.tiny_policy build --output /tmp/untrained --steps 0
+
+  # the deal policy (shipped as local/deal_policy/; about 15 minutes), and how it does on the deal tasks
+  python -m nemo_gym_browser.local.tiny_policy --threads 2 build-deal --output /tmp/deal-policy
+  python -m nemo_gym_browser.local.tiny_policy evaluate --suite deal --model local/deal_policy --limit 96
 
 what build writes to --output:
   config.json, model.safetensors, generation_config.json and the tokenizer files (chat template included): a
@@ -636,7 +665,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress and debug logging")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{build,evaluate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{build,build-deal,evaluate}")
 
     build_cmd = commands.add_parser("build", help="build and warm-start a policy folder", epilog=_EPILOG,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -670,15 +699,22 @@ def _parser() -> argparse.ArgumentParser:
         "--guess", type=float, default=warm.guess,
         help="deal suite: share of demonstrations that answer at once without the browser (default %(default)s)",
     )  # fmt: skip
-    train.add_argument(
-        "--gold-steps", type=int, default=warm.gold_steps,
-        help="optimiser steps on solver demonstrations before the mixed ones (default %(default)s)",
-    )  # fmt: skip
     train.add_argument("--demos-per-task", type=int, default=warm.demos_per_task, help="default %(default)s")
     train.add_argument("--steps", type=int, default=warm.steps, help="optimiser steps (default %(default)s)")
     train.add_argument("--batch-size", type=int, default=warm.batch_size, help="episodes per step (%(default)s)")
     train.add_argument("--lr", type=float, default=warm.lr, help="peak learning rate (default %(default)s)")
     train.add_argument("--warmup-steps", type=int, default=warm.warmup_steps, help="default %(default)s")
+
+    deal_cmd = commands.add_parser(
+        "build-deal", help="build the deal policy: solver demonstrations, then both routes (DEAL_SOLVER, DEAL_MIXED)",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    deal_cmd.add_argument("--output", type=Path, required=True, metavar="DIR", help="the model folder to write")
+    deal_cmd.add_argument("--seed", type=int, default=0, help="added to both phases' seeds (default 0)")
+    deal_cmd.add_argument(
+        "--solver", type=Path, metavar="DIR",
+        help="where the first phase's policy goes (default: --output with -solver appended); reused if present",
+    )  # fmt: skip
 
     evaluate_cmd = commands.add_parser("evaluate", help="success rates through the real loop", epilog=_EPILOG,
                                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -707,11 +743,7 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--correct and --guess must be in [0, 1]")
     if args.init_range <= 0:
         parser.error("--init-range must be positive")
-    if (
-        min(args.demos_per_task, args.batch_size, args.layers) < 1
-        or min(args.steps, args.gold_steps) < 0
-        or args.lr <= 0
-    ):
+    if min(args.demos_per_task, args.batch_size, args.layers) < 1 or args.steps < 0 or args.lr <= 0:
         parser.error("--demos-per-task, --batch-size and --layers must be positive, --steps >= 0, --lr > 0")
     spec = ModelSpec(
         hidden_size=args.hidden_size,
@@ -724,7 +756,6 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     warm = WarmStartSpec(
         correct=args.correct,
         guess=args.guess,
-        gold_steps=args.gold_steps,
         demos_per_task=args.demos_per_task,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -798,6 +829,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.command == "build":
         return _build(args, parser)
+    if args.command == "build-deal":
+        report = build_deal(args.output, seed=args.seed, solver_dir=args.solver)
+        print(f"wrote {args.output}: {report.parameters:,} parameters; final loss {report.losses[-1]:.3f}")
+        return 0
     return _evaluate(args, parser)
 
 

@@ -655,6 +655,7 @@ SUMMARY_COLUMNS = (
     ("timing_s/step", "step s", "{:7.1f}"),
     ("timing_s/gen", "gen s", "{:6.1f}"),
     ("critic/score/mean", "reward", "{:6.3f}"),
+    ("env/browsed_rate", "browsed", "{:7.3f}"),
     ("env/invalid_rate", "invalid", "{:7.3f}"),
     ("env/resampled_rate", "resampled", "{:9.3f}"),
     ("grpo_env_aware/invalid_fraction", "flagged", "{:7.3f}"),
@@ -693,18 +694,15 @@ def tiny_policy_folder(workdir: Path, seed: int = 0) -> Path:
 
 
 def deal_policy_folder(workdir: Path, seed: int = 0) -> Path:
-    """The tiny policy warm-started for the deal tasks (:data:`.tiny_policy.DEAL_WARM_START`), built once per
-    ``workdir``."""
-    from . import shop_tasks, tiny_policy
+    """The tiny policy warm-started for the deal tasks: the shipped ``local/deal_policy/`` for seed 0 (built by
+    ``tiny_policy build-deal``, about 15 minutes), else built once per ``workdir`` with that seed."""
+    from . import tiny_policy
 
+    if seed == 0 and (tiny_policy.DEAL_POLICY_DIR / tiny_policy.REPORT_FILE).exists():
+        return tiny_policy.DEAL_POLICY_DIR
     folder = workdir / f"deal-policy-seed{seed}"
     if not (folder / tiny_policy.REPORT_FILE).exists():
-        tiny_policy.build(
-            folder,
-            model_spec=tiny_policy.DEAL_MODEL,
-            warm=dataclasses.replace(tiny_policy.DEAL_WARM_START, seed=seed),
-            task_file=shop_tasks.DEAL_TRAIN_FILE,
-        )
+        tiny_policy.build_deal(folder, seed=seed)
     return folder
 
 
@@ -834,6 +832,9 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
     parser.add_argument(
         "--test-freq", type=int, default=-1, help="validate on the held-back tasks every N steps (default: never)"
     )
+    parser.add_argument(
+        "--val-tasks", type=int, metavar="N", help="validate on the first N held-back tasks only (default: all)"
+    )
     parser.add_argument("--rollout", default=CPU_ROLLOUT, help="rollout backend: hfcpu (CPU, default) or vllm")
     parser.add_argument("--model", type=Path, help="a model folder (default: build and warm-start the tiny policy)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the warm start, the data order and the fault draw")
@@ -864,6 +865,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--fault-rate/--fault-at/--fault-kind: {exc}")
     if args.call_timeout is not None and args.call_timeout <= 0:
         parser.error("--call-timeout must be positive")
+    if args.val_tasks is not None and args.val_tasks < 1:
+        parser.error("--val-tasks must be at least 1")
     if args.rollout != CPU_ROLLOUT and args.model is None:
         # the CPU policy's attention heads (16 wide) are narrower than vLLM's FlashInfer and Triton backends take
         parser.error(f"--rollout {args.rollout} needs --model (scripts/gpu_check.sh builds a policy vLLM can serve)")
@@ -871,6 +874,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     train, val = prepare_task_rows(workdir, *shop_tasks.SUITE_FILES[args.suite])
+    if args.val_tasks is not None:
+        lines = val.read_text(encoding="utf-8").splitlines(keepends=True)
+        val.write_text("".join(lines[: args.val_tasks]), encoding="utf-8")
     if args.model is None:
         print(f"building and warm-starting the tiny policy for the {args.suite} tasks ...", flush=True)
     policy_folder = deal_policy_folder if args.suite == "deal" else tiny_policy_folder
@@ -912,7 +918,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not result.ok:
         print(result.log_tail(40), file=sys.stderr)
         return 1
+    print(before_and_after(result.steps))
     return 0
+
+
+def before_and_after(steps: Mapping[int, Mapping[str, Any]]) -> str:
+    """One line: held-back success (and how often validation episodes browsed) at the first and last validation."""
+    key = f"val-core/{DATA_SOURCE}/reward/mean@1"
+    validated = sorted(step for step, metrics in steps.items() if key in metrics)
+    if not validated:
+        return "no validation ran (--test-freq)"
+    first, last = validated[0], validated[-1]
+    browsed = f"val-aux/{DATA_SOURCE}/env/browsed/mean@1"
+
+    def at(step: int) -> str:
+        share = steps[step].get(browsed)
+        return f"{float(steps[step][key]):.3f}" + (
+            f" ({float(share):.0%} of episodes browsed)" if share is not None else ""
+        )
+
+    return f"held-back success: {at(first)} at step {first} -> {at(last)} at step {last}"
 
 
 def _step_printer(spec: RunSpec) -> Callable[[str], None]:

@@ -3,8 +3,9 @@
 # a real nemo-gym 0.7.0 interactive_browser with headless Chromium on 127.0.0.1, one smoke episode, GRPO groups
 # rolled out through BrowserToolAgentLoop with injected infrastructure failures, and the advantages the recipe
 # gives each sample next to what stock GRPO would have given it. Everything it starts is stopped at the end.
-# With --train it then trains a real policy: verl's main_ppo with this recipe on the CPU backend, a warm-started
-# tiny policy on the local Corner Shop tasks, 30 % of sessions spoiled by the fault proxy, one line per step.
+# With --train it then trains a real policy: verl's main_ppo with this recipe on the CPU backend, the shipped tiny
+# deal policy (local/deal_policy) on the Corner Shop's deal tasks, 85 % of browser calls failing (the fault proxy
+# loses the session), one line per step, held-back success before and after.
 #
 #   bash scripts/rehearse.sh             # set up (once), then rehearse
 #   bash scripts/rehearse.sh --train     # the same, then a short real training run (several more minutes)
@@ -25,5 +26,6 @@ if ((train)); then
     echo
     echo "== a real training run: verl main_ppo, BrowserToolAgentLoop, grpo_env_aware, the CPU backend in place of vLLM"
     exec "$ROOT/.venv/bin/python" -m nemo_gym_browser.local.training_run --workdir "$ROOT/.cache/rehearsal-train" \
-        --steps 3 --fault-rate 0.3 --test-freq 3
+        --suite deal --steps 8 --prompts-per-step 4 --group-size 8 --lr 3e-4 --fault-rate 0.85 \
+        --fault-at browser-call --fault-kind lose_session --test-freq 8 --val-tasks 48
 fi

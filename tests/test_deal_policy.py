@@ -1,0 +1,54 @@
+"""The shipped deal policy (``local/deal_policy/``): the very weights its build recorded, the tokenizer the code
+builds today, and the behaviour it was built for, measured through the recipe's loop: it mostly answers from memory
+and, when it reads the board, names the marked fruit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nemo_gym_browser.local import shop_tasks as st
+from nemo_gym_browser.local import tiny_policy as tp
+
+POLICY = tp.DEAL_POLICY_DIR
+
+
+def recorded_hashes() -> dict[str, str]:
+    lines = (POLICY / "SHA256SUMS").read_text(encoding="utf-8").splitlines()
+    return {name.strip(): digest for digest, name in (line.split(maxsplit=1) for line in lines if line.strip())}
+
+
+def test_the_shipped_weights_are_the_ones_recorded_and_load_with_the_codes_tokenizer():
+    for name, digest in recorded_hashes().items():
+        assert hashlib.sha256((POLICY / name).read_bytes()).hexdigest() == digest, name
+    assert "model.safetensors" in recorded_hashes()
+    model = AutoModelForCausalLM.from_pretrained(POLICY)
+    assert model.config.vocab_size == len(tp.policy_tokenizer())
+    assert AutoTokenizer.from_pretrained(POLICY).get_vocab() == tp.policy_tokenizer().get_vocab()
+    report = json.loads((POLICY / tp.REPORT_FILE).read_text())
+    assert report["warm_start"] == asdict(tp.DEAL_MIXED)  # built with the settings the code names
+    assert report["start_from"]["warm_start"] == asdict(tp.DEAL_SOLVER)
+    assert report["start_from"]["model"] == asdict(tp.DEAL_MODEL)
+
+
+@pytest.mark.parametrize("split", ["train", "heldback"])
+def test_the_shipped_policy_mostly_guesses_and_reads_the_mark_when_it_browses(split):
+    with tempfile.TemporaryDirectory() as workdir:
+        samples = tp.load_samples(st.SUITE_FILES["deal"][0 if split == "train" else 1], Path(workdir))[:48]
+    records = st.records_by_id()
+    (result,) = asyncio.run(tp.evaluate(POLICY, {split: samples}, temperatures=(1.0,), episodes_per_task=2))
+    outcomes = result.episodes_played
+    browsed = [reward for task_id, reward, actions in outcomes if actions > 0]
+    guessed = [reward for task_id, reward, actions in outcomes if actions == 0]
+    assert all(records[task_id]["kind"] == "deal" for task_id, _, _ in outcomes)
+    assert 0.05 <= len(browsed) / len(outcomes) <= 0.5  # both routes, the guess preferred
+    assert browsed and sum(browsed) / len(browsed) >= 0.9  # reading the mark is in its repertoire
+    assert sum(guessed) / len(guessed) <= 0.45  # a guess is right about one time in four

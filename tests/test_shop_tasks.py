@@ -32,6 +32,20 @@ def prepare(task_file, output_dir) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+async def play(script, sample, server, tokenizer, tools, trainer_config):
+    """One episode of ``script`` through the recipe's loop against ``server``; an infrastructure failure fails."""
+    loop = build_loop(
+        sp.ScriptedPolicy(tokenizer, script),
+        tokenizer=tokenizer,
+        tools=tools,
+        trainer_config=trainer_config,
+        environment={"server_urls": [server.url], **FAST_ENV},
+    )
+    output = await loop.run({}, **sample)
+    assert output.extra_fields["env_invalid"] is False, output.extra_fields
+    return output
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> dict[str, object]:
     """Both task files prepared and loaded by the recipe's dataset, as a training run reads them."""
@@ -97,15 +111,8 @@ async def test_every_task_is_solved_by_the_scripted_policy_through_the_loop_and_
                 record = records[sample["extra_info"]["task_id"]]
                 for wrong in (False, True):
                     chooser = st.Chooser.always_wrong() if wrong else st.Chooser()
-                    loop = build_loop(
-                        sp.ScriptedPolicy(tokenizer, st.script_for(record, chooser, wrong_answer=wrong)),
-                        tokenizer=tokenizer,
-                        tools=tools,
-                        trainer_config=trainer_config,
-                        environment={"server_urls": [server.url], **FAST_ENV},
-                    )
-                    output = await loop.run({}, **sample)
-                    assert output.extra_fields["env_invalid"] is False, output.extra_fields
+                    script = st.script_for(record, chooser, wrong_answer=wrong)
+                    output = await play(script, sample, server, tokenizer, tools, trainer_config)
                     assert output.extra_fields["reward_source"] == "verify"
                     if not wrong:
                         assert "error" not in tokenizer.decode(output.response_ids).lower(), record["id"]
@@ -212,15 +219,7 @@ async def test_a_deal_is_answered_by_reading_the_board_or_from_memory_without_to
                 record = records[sample["extra_info"]["task_id"]]
                 chooser = st.Chooser(1.0, random.Random(i))
                 script = st.deal_script(record, chooser, guess=1.0 if route == "guess" else 0.0)
-                loop = build_loop(
-                    sp.ScriptedPolicy(tokenizer, script),
-                    tokenizer=tokenizer,
-                    tools=tools,
-                    trainer_config=trainer_config,
-                    environment={"server_urls": [server.url], **FAST_ENV},
-                )
-                output = await loop.run({}, **sample)
-                assert output.extra_fields["env_invalid"] is False, output.extra_fields
+                output = await play(script, sample, server, tokenizer, tools, trainer_config)
                 assert output.extra_fields["env_browser_actions"] == (1 if route == "browse" else 0)
                 rewards.append(output.reward_score)
             assert server.open_sessions == 0

@@ -151,6 +151,10 @@ def spread(values: list[float]) -> str:
     return f"{mean:.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def mean_text(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
 def print_summary(runs: list[dict[str, Any]]) -> None:
     print("\nclean success and browsing, mean (min-max) over seeds, by evaluated step")
     columns = ("train_success", "heldback_success", "train_browsed", "heldback_browsed", "train_browser_calls")
@@ -181,7 +185,7 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
         print(
             f"{name:<27} {run['minutes']:7.1f} {sum(seconds) / max(len(seconds), 1):7.1f} "
             f"{sum(gen) / max(len(gen), 1):6.1f} {run['peak_memory_gib']:9.1f} "
-            f"{spread(invalid).split(' ')[0]:>8} {spread(resampled).split(' ')[0]:>10} "
+            f"{mean_text(invalid):>8} {mean_text(resampled):>10} "
             f"{sum(run['faults_injected'].values()):7d} {run['sessions_left_open']:10d}"
         )
 

@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from nemo_gym_browser.environment import TOOL_NAMES
 from nemo_gym_browser.rows import VERIFIER_KEYS, VerifierMetadataError, validate_verifier_metadata
+from nemo_gym_browser.text import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -972,11 +973,6 @@ class _Errors(Exception):
         self.errors = errors
 
 
-def _short(text: str, limit: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def format_report(report: Report, args: argparse.Namespace, today: dt.date, written: Sequence[Path]) -> str:
     lines = [f"source: {report.source} ({report.records} records)"]
     if report.references is not None:
@@ -992,7 +988,7 @@ def format_report(report: Report, args: argparse.Namespace, today: dt.date, writ
         check = report.date_checks[task.task_id]
         dated = sorted({named.date for named in check.dates if named.date is not None})
         span = dated[0].isoformat() if len(dated) == 1 else f"{dated[0].isoformat()}..{dated[-1].isoformat()}"
-        lines.append(f"  {task.task_id:<20} {span:<22} {_short(task.question, LISTING_QUESTION_CHARS)}")
+        lines.append(f"  {task.task_id:<20} {span:<22} {shorten(task.question, LISTING_QUESTION_CHARS, one_line=True)}")
 
     sites = sorted({task.site or "-" for task, _, _ in report.kept}, key=str.casefold)
     types = sorted({task.reference_type for task, _, _ in report.kept if task.reference_type is not None})

@@ -48,6 +48,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .environment import parse_observation
+from .text import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,7 @@ class StepLines(list):
 def _cut(text: Any, limit: int) -> str | None:
     if text is None:
         return None
-    text = str(text)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return shorten(str(text), limit)
 
 
 def redact_url(url: str) -> str:

@@ -41,6 +41,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, unquote_to_bytes
 
+from .text import shorten
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 
@@ -192,8 +194,7 @@ def parse_web_url(url: str) -> WebUrl:
 
 
 def _short(url: str, limit: int = 120) -> str:
-    text = repr(url)
-    return text if len(text) <= limit else text[: limit - 4] + "...'"
+    return repr(shorten(url, limit))
 
 
 # ----- addresses ----------------------------------------------------------------------------------------------

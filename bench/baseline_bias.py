@@ -38,9 +38,10 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos, ray_trainer
 
 from nemo_gym_browser import patches
-from nemo_gym_browser.testing.benchmarking import header
+from nemo_gym_browser.testing.benchmarking import header, write_report
 
 DEFAULT_PLOT = Path(__file__).resolve().parent / "baseline_bias.png"
+DEFAULT_JSON = DEFAULT_PLOT.with_suffix(".json")
 FAILURE_RATES = tuple(r / 100 for r in range(0, 100, 10))
 # The mission's case: 1172 of 1280 rollouts failed over 20 steps of a 64-way run.
 MISSION_FAILED, MISSION_STEPS, MISSION_GROUP = 1172, 20, 64
@@ -48,7 +49,7 @@ REFERENCE_REWARDS, REFERENCE_INVALID, REFERENCE_EXPECTED = [1.0, 1.0, 0.0, 0.0],
 
 EXAMPLES = """\
 examples:
-  python bench/baseline_bias.py                         # table + bench/baseline_bias.png
+  python bench/baseline_bias.py                         # table, bench/baseline_bias.png and .json
   python bench/baseline_bias.py --group-size 8 --groups 512 --plot /tmp/bias8.png
   python bench/baseline_bias.py --no-std                # Dr.GRPO (no division by the group std)
 
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-std", action="store_true", help="Dr.GRPO: do not divide by the group std")
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help=f"PNG to write (default {DEFAULT_PLOT})")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     return parser
 
 
@@ -321,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(expected [0.667, -0.333, -0.333]): {_ok(reference_ok)}"
     )
     print(f"check: with no failure the recipe's advantages equal stock GRPO's bit for bit: {_ok(unchanged_ok)}")
+    columns = {"incorrect/correct": "stock, recipe, oracle", "failed": "stock, recipe"}
+    checks = {"reference_case": reference_ok, "no_failure_equals_stock": unchanged_ok}
+    write_report(args.json, vars(args), {"columns": columns, "points": points, "checks": checks})
     print(f"done in {time.perf_counter() - started:.1f} s")
     return 0 if reference_ok and unchanged_ok else 1
 

@@ -2,6 +2,8 @@
 
 * :func:`header`: the machine a figure was measured on (cores, CPU, load average, Python, torch, verl) and the
   exact command, printed first by every benchmark: a figure is only worth something next to both.
+* :func:`write_report`: the same facts and the benchmark's figures as JSON, next to its plot (``bench/<name>.json``):
+  the README quotes the committed JSON, so a figure and where it came from travel together.
 * :func:`fake_environment_process`: the fake environment server in a child process, as a deployed server runs
   apart from the rollout workers (its work must not share the measured event loop).
 * :class:`LoopFactory`: agent loops built per episode exactly as verl's ``AgentLoopWorker`` builds them.
@@ -12,7 +14,9 @@ Importing this module imports neither torch nor verl; :class:`LoopFactory` impor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
+import json
 import multiprocessing
 import os
 import platform
@@ -20,8 +24,9 @@ import queue
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -87,6 +92,38 @@ def command_line() -> str:
 def header(title: str) -> str:
     """The block a benchmark prints before its results."""
     return "\n".join([f"== {title}", *describe_machine().lines(), f"command: {command_line()}"])
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: dataclasses become dicts, paths strings, tuples lists, numpy and torch values Python ones."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if isinstance(value, Path):  # relative to the working folder when under it: no machine's home in the report
+        relative = os.path.relpath(value)
+        return relative if not relative.startswith("..") else str(value)
+    if callable(getattr(value, "tolist", None)):  # numpy and torch arrays and scalars
+        return value.tolist()
+    return value
+
+
+def write_report(path: Path, settings: Mapping[str, Any], figures: Mapping[str, Any]) -> None:
+    """Write ``{"machine", "command", "settings", "figures"}`` to ``path`` (pretty JSON, one trailing newline).
+
+    ``settings`` are the knobs the figures depend on (usually ``vars(args)``); ``figures`` what was measured.
+    """
+    report = {
+        "machine": _plain(describe_machine()),
+        "command": command_line(),
+        "settings": _plain(settings),
+        "figures": _plain(figures),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"figures: {os.path.relpath(path)}", flush=True)
 
 
 # ----- a fake environment server in its own process ----------------------------------------------------------

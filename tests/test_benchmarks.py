@@ -7,6 +7,7 @@ harness has its own tests (``test_chaos.py``), the fault proxy too (``test_fault
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -54,10 +55,12 @@ def test_each_benchmark_rejects_impossible_settings_with_exit_code_two(name, arg
     assert "error" in capsys.readouterr().err
 
 
-def test_baseline_bias_prints_the_table_and_the_mission_point_and_writes_the_plot(tmp_path, capsys):
-    plot = tmp_path / "bias.png"
+def test_baseline_bias_prints_the_table_and_the_mission_point_and_writes_the_plot_and_figures(tmp_path, capsys):
+    plot, figures = tmp_path / "bias.png", tmp_path / "bias.json"
 
-    code = load("baseline_bias").main(["--groups", "16", "--mission-repeats", "2", "--plot", str(plot)])
+    code = load("baseline_bias").main(
+        ["--groups", "16", "--mission-repeats", "2", "--plot", str(plot), "--json", str(figures)]
+    )
 
     out = capsys.readouterr().out
     assert code == 0
@@ -65,6 +68,11 @@ def test_baseline_bias_prints_the_table_and_the_mission_point_and_writes_the_plo
     assert "91.6% mission" in out and "   90% |" in out
     assert "reference case [1, 1*, 0, 0] -> valid [0.667, -0.333, -0.333]" in out and "FAIL" not in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(figures.read_text())
+    assert report["settings"]["groups"] == 16 and report["machine"]["cores"] >= 1
+    mission = report["figures"]["points"][-1]
+    assert mission["label"] == "mission" and len(mission["correct"]) == 3
+    assert report["figures"]["checks"] == {"reference_case": True, "no_failure_equals_stock": True}
 
 
 def test_under_infrastructure_zeros_stock_grpo_favours_survivors_and_the_recipe_stays_near_the_oracle():

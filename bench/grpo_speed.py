@@ -10,7 +10,7 @@ repeated ``group size`` times, as verl's trainers build them). Three timings per
 - ``env_aware+flags``: ``grpo_env_aware`` with ``--invalid-fraction`` of the samples flagged invalid.
 
 Examples:
-    python bench/grpo_speed.py                                  # 4k, 64k, 1M samples x group size 8 and 16
+    python bench/grpo_speed.py                                  # 4k, 64k, 1M samples x group 8 and 16; grpo_speed.json
     python bench/grpo_speed.py --samples 4096 65536 --group-sizes 8
     python bench/grpo_speed.py --threads 1 --response-length 32
 
@@ -24,13 +24,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
 from nemo_gym_browser.group_stats import compute_grpo_env_aware_advantage
+from nemo_gym_browser.testing.benchmarking import header, write_report
 
+DEFAULT_JSON = Path(__file__).resolve().parent / "grpo_speed.json"
 SLOW_STOCK_FROM = 1 << 18  # verl's per-sample Python loop: time it once from this batch size up
 
 
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="runs per timing, best kept (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     if min(args.samples) < 1 or min(args.group_sizes) < 1 or args.repeats < 1 or args.response_length < 1:
         parser.error("--samples, --group-sizes, --repeats and --response-length must be positive")
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, response length {args.response_length}")
+    print(header("grpo_speed: grpo_env_aware against verl's GRPO on the same batches"))
+    print(f"{torch.get_num_threads()} torch threads, response length {args.response_length}")
     print(
         f"{'samples':>9} {'group':>5} {'verl grpo ms':>13} {'env_aware ms':>13} {'env_aware+flags ms':>17} "
         f"{'speed-up':>10} {'w/ flags':>10}  bit-identical"
@@ -131,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(batch, group_size, args.repeats))
             print(format_row(rows[-1]), flush=True)
     failed = [row for row in rows if not row.identical or row.ours_s >= row.stock_s]
+    speed_ups = [
+        {"samples": row.samples, "group_size": row.group_size, "speed_up": row.stock_s / row.ours_s} for row in rows
+    ]
+    write_report(args.json, vars(args), {"rows": rows, "speed_ups": speed_ups, "checks_failed": len(failed)})
     if failed:
         print(f"check failed for {len(failed)} batch(es): outputs differ or grpo_env_aware was not faster")
         return 1

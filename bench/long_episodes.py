@@ -30,8 +30,9 @@ import tracemalloc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
-from nemo_gym_browser.testing.benchmarking import LoopFactory, header
+from nemo_gym_browser.testing.benchmarking import LoopFactory, header, write_report
 
 EXAMPLES = """\
 examples:
@@ -41,6 +42,7 @@ examples:
 exit codes: 0 measured and step-wise flat, 1 step-wise tokens per sample grew, 2 usage error
 """
 
+DEFAULT_JSON = Path(__file__).resolve().parent / "long_episodes.json"
 FLAT_TOLERANCE = 0.25  # a bounded history still fills up to history_steps lines: some growth is expected
 SAMPLING = {"temperature": 1.0, "logprobs": True}
 ANSWER = "ALPHA-42"
@@ -211,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=2, help="episodes per length and mode (default 2)")
     parser.add_argument("--history-steps", type=int, default=10, help="step-wise: earlier steps as lines (10)")
     parser.add_argument("--history-observations", type=int, default=1, help="step-wise: latest steps whole (1)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     try:
         lengths = parse_lengths(args.lengths)
@@ -234,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(cells))
     ok, verdict = flat(cells)
     print(("OK " if ok else "FAIL ") + verdict)
+    write_report(args.json, vars(args), {"cells": cells, "flat": ok, "verdict": verdict})
     return 0 if ok else 1
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
-from nemo_gym_browser.testing.benchmarking import header
+from nemo_gym_browser.testing.benchmarking import header, write_report
 from nemo_gym_browser.testing.fake_environment import BUNDLED_INITIAL_URL, FakeEnvironmentServer
 
 EXAMPLES = """\
@@ -43,6 +43,7 @@ exit codes: 0 measured, 2 usage error (e.g. no such tokenizer file)
 """
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_JSON = RECIPE_DIR / "bench" / "observation_lengths.json"
 SITE_DIR = RECIPE_DIR / "local" / "site"
 # The server's caps (nemo-gym 0.7.0 browser/page.py and app.py): elements shown, characters per element name and
 # of page text. The generated page exceeds each.
@@ -169,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--real", action="store_true", help="also observe pages through the real server (.venv-gym)")
     parser.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer folder, for token counts")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     if args.tokenizer is not None and not Path(args.tokenizer).exists():
         print(f"error: no tokenizer at {args.tokenizer}", file=sys.stderr)
@@ -195,12 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             line += f", {min(m.tokens or 0 for m in items)}-{max(m.tokens or 0 for m in items)} tokens"
             line += f", {min(ratios):.2f}-{max(ratios):.2f} characters per token"
         print(line)
+    figures: dict[str, object] = {"pages": measured}
     if count:
         overhead = count(TOOL_TURN_PREFIX) + count(TOOL_TURN_SUFFIX)
+        actions = [count(a) for a in ACTIONS]
         print(f"tool turn around one observation: {overhead} tokens")
-        print(
-            "assistant turns (one tool call, with or without a sentence): " + ", ".join(str(count(a)) for a in ACTIONS)
-        )
+        print("assistant turns (one tool call, with or without a sentence): " + ", ".join(map(str, actions)))
+        figures |= {"tool_turn_tokens": overhead, "assistant_turn_tokens": actions}
+    write_report(args.json, vars(args), figures)
     return 0
 
 

@@ -43,7 +43,8 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -60,7 +61,7 @@ from nemo_gym_browser.testing.agent_loop_harness import (
     load_tools,
     make_row,
 )
-from nemo_gym_browser.testing.benchmarking import LoopFactory, fake_environment_process, header
+from nemo_gym_browser.testing.benchmarking import LoopFactory, fake_environment_process, header, write_report
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
@@ -357,6 +358,7 @@ class Result:
 
 
 LOOP_KINDS = ("verl", "recipe")
+DEFAULT_JSON = Path(__file__).resolve().parent / "rollout_overhead.json"
 
 
 async def measure(
@@ -479,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-episodes", type=int, default=16, help="more waves at low concurrency until each kind has this many"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     return parser
 
 
@@ -517,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     checks = verdicts(results, args.latency_ms)
     for text, ok in checks:
         print(f"{'ok  ' if ok else 'MISS'} {text}")
+    figures = {
+        "results": [{**asdict(result), "share": result.share} for result in results],
+        "checks": [{"check": text, "ok": ok} for text, ok in checks],
+    }
+    write_report(args.json, vars(args), figures)
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0 if all(ok for _, ok in checks) else 1
 

@@ -55,7 +55,8 @@ import torch
 from torch.utils.data import Dataset
 
 from .environment import TOOL_NAMES
-from .prepare_webvoyager_data import BROWSER_TOOL, InputError, Task, task_from_nemo_gym_row
+from .task_rows import BROWSER_TOOL
+from .tasks import InputError, Task, task_from_nemo_gym_row
 
 logger = logging.getLogger(__name__)
 

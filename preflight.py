@@ -304,7 +304,7 @@ def check_data(ctx: Context) -> str:
 
 def _interface(names: Any) -> str:
     """How the user chose a tool set: ``browser``/``native`` for the recipe's two, else the names themselves."""
-    from nemo_gym_browser.prepare_webvoyager_data import tool_interface_of
+    from nemo_gym_browser.task_rows import tool_interface_of
 
     return tool_interface_of(names) or str(sorted(names))
 

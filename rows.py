@@ -8,7 +8,7 @@ A row (one JSONL line) carries
                                        score the task. The server stores it at seed time; ``/verify`` takes no
                                        grading fields of its own.
     ``agent_ref``, task fields         optional: what NeMo Gym's own agents and this recipe's judge and logs read
-                                       (``prepare_webvoyager_data.task_from_nemo_gym_row`` validates them).
+                                       (``tasks.task_from_nemo_gym_row`` validates them).
 
 What this module owns
     The one rule for ``verifier_metadata`` (:func:`validate_verifier_metadata`). Data preparation, the dataset,

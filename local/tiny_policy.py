@@ -146,7 +146,7 @@ class WarmStartReport:
 
 def corpus_lines() -> list[str]:
     """Text shaped like the shop's traffic, for the tokenizer's vocabulary: prompts, observations, tool calls."""
-    from ..prepare_webvoyager_data import SYSTEM_PROMPT_BROWSER, USER_PROMPT
+    from ..task_rows import SYSTEM_PROMPT_BROWSER, USER_PROMPT
 
     lines = SYSTEM_PROMPT_BROWSER.splitlines()
     for record in shop_tasks.records_by_id().values():

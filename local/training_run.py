@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..prepare_webvoyager_data import DATA_SOURCE
+from ..task_rows import DATA_SOURCE
 from ..testing.background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ STOP_GRACE_S = 20.0
 # Where injected faults strike: "verify" spoils a share of sessions after the policy acted (random_faults);
 # "browser-call" fails each browser action call on its own (browser_call_faults).
 FAULT_POINTS = ("verify", "browser-call")
-# What a faulted call meets (ProxyFault kinds), each an infrastructure failure the loop resamples. At a browser call /
+# What a faulted call meets (Fault kinds), each an infrastructure failure the loop resamples. At a browser call /
 # at verify the loop records: "status" (a 503) server_error / verify_unavailable; "lose_session" (the session cookie
 # stripped: the server no longer knows the session) session_lost / session_lost; "hang" (held until the client gives
 # up) timeout after environment.call_timeout_s / verify_unavailable after verify_timeout_s. Not "drop": observe and
@@ -497,15 +497,15 @@ class RowFault:
 
 
 def proxy_fault(name: str) -> Any:
-    """The :class:`~nemo_gym_browser.testing.fault_proxy.ProxyFault` a rule here answers with, by ``name``."""
-    from ..testing.fault_proxy import ProxyFault
+    """The :class:`~nemo_gym_browser.testing.faults.Fault` a rule here answers with, by ``name``."""
+    from ..testing.faults import Fault
 
     make = {
-        "status": lambda: ProxyFault.status_code(503),
-        "drop": ProxyFault.drop,
-        "lose_session": ProxyFault.lose_session,
-        "hang": ProxyFault.hang,  # held until the client gives up (its call timeout), then never forwarded
-        "regrade": lambda: ProxyFault.regrade(1.0),
+        "status": lambda: Fault.status(503),
+        "drop": lambda: Fault.drop_connection(None),
+        "lose_session": Fault.lose_session,
+        "hang": Fault.hang,  # held until the client gives up (its call timeout), then never forwarded
+        "regrade": lambda: Fault.regrade(1.0),
     }
     if name not in make:
         raise ValueError(f"unknown fault {name!r}; expected one of {sorted(make)}")

@@ -24,6 +24,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from nemo_gym_browser import prepare_webvoyager_data as prep
+from nemo_gym_browser import task_rows
 from nemo_gym_browser.dataset import AGENT_NAME, EPISODE_TOOLS, BrowserJSONLDataset, RowError
 from nemo_gym_browser.environment import TOOL_NAMES
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
@@ -192,7 +193,7 @@ def test_a_checkpointed_dataloader_resumes_with_the_next_batch(prepared):
 def test_the_prompt_renders_with_a_chat_template_and_the_browser_tool(prepared):
     tokenizer = build_test_tokenizer()
     dataset = BrowserJSONLDataset([str(prepared / "val.jsonl")])
-    schema = prep.BROWSER_TOOL_SCHEMAS[0]
+    schema = task_rows.BROWSER_TOOL_SCHEMAS[0]
     tools = [{"type": "function", "function": {key: schema[key] for key in ("name", "description", "parameters")}}]
 
     text = tokenizer.apply_chat_template(
@@ -320,7 +321,7 @@ def test_the_agent_loop_reads_the_episode_this_dataset_writes(prepared):
     ("interface", "config_file"), [("browser", "browser_tool.yaml"), ("native", "browser_native_tools.yaml")]
 )
 def test_the_tools_a_row_describes_match_the_recipes_tool_config(interface, config_file):
-    schemas = prep.BROWSER_TOOL_SCHEMAS if interface == "browser" else prep.NATIVE_TOOL_SCHEMAS
+    schemas = task_rows.BROWSER_TOOL_SCHEMAS if interface == "browser" else task_rows.NATIVE_TOOL_SCHEMAS
     configured = [
         tool["tool_schema"]["function"]
         for tool in yaml.safe_load((REPO / "configs" / config_file).read_text())["tools"]

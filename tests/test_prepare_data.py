@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_browser import prepare_webvoyager_data as prep
+from nemo_gym_browser import task_rows
 from nemo_gym_browser.environment import TOOL_NAMES
+from nemo_gym_browser.named_dates import check_dates, find_named_dates
 from nemo_gym_browser.testing.webvoyager import webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,14 +146,14 @@ def test_the_full_webvoyager_file_becomes_one_row_per_task_with_its_reference_an
 
 
 def test_the_system_prompt_teaches_observe_first_element_ids_and_finish():
-    prompt = prep.SYSTEM_PROMPT_BROWSER
+    prompt = task_rows.SYSTEM_PROMPT_BROWSER
     assert "`browser`" in prompt
     for action in ("observe", "navigate", "click", "type", "finish"):
         assert f"- {action}:" in prompt
     assert "your first call is observe" in prompt
     assert "Element ids come from the latest observation" in prompt
     assert "call finish exactly once with the answer" in prompt
-    assert [tool["name"] for tool in prep.BROWSER_TOOL_SCHEMAS] == ["browser"]
+    assert [tool["name"] for tool in task_rows.BROWSER_TOOL_SCHEMAS] == ["browser"]
 
 
 def test_native_rows_teach_and_carry_nemo_gyms_five_browser_tools(tmp_path, capsys):
@@ -232,7 +234,7 @@ def test_an_earlier_today_makes_fewer_tasks_stale(tmp_path, capsys):
     ],
 )
 def test_dates_named_in_questions_are_found_with_their_years(text, expected):
-    assert [(d.year, d.month, d.day) for d in prep.find_named_dates(text)] == expected
+    assert [(d.year, d.month, d.day) for d in find_named_dates(text)] == expected
 
 
 @pytest.mark.parametrize(
@@ -249,17 +251,17 @@ def test_dates_named_in_questions_are_found_with_their_years(text, expected):
     ],
 )
 def test_years_months_and_impossible_days_are_not_dates(text):
-    assert prep.find_named_dates(text) == []
+    assert find_named_dates(text) == []
 
 
 def test_only_a_question_whose_latest_date_is_past_is_stale():
     today = dt.date(2026, 1, 15)
-    assert prep.check_dates("the NBA games played on December 25, 2023", today).past
-    assert not prep.check_dates("days between February 12, 2024 and August 9, 2050", today).past
-    assert not prep.check_dates("a hotel for December 25-26", today).past
-    assert prep.check_dates("a hotel for December 25-26", today).undated
-    assert not prep.check_dates("a flight on January 15, 2026", today).past  # today is not past
-    assert not prep.check_dates("book January 5, 2024 and return on December 25", today).past
+    assert check_dates("the NBA games played on December 25, 2023", today).past
+    assert not check_dates("days between February 12, 2024 and August 9, 2050", today).past
+    assert not check_dates("a hotel for December 25-26", today).past
+    assert check_dates("a hotel for December 25-26", today).undated
+    assert not check_dates("a flight on January 15, 2026", today).past  # today is not past
+    assert not check_dates("book January 5, 2024 and return on December 25", today).past
 
 
 # ---------------------------------------------------------------------------------------------------------------------

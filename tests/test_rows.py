@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_browser import environment, preflight
-from nemo_gym_browser import prepare_webvoyager_data as prep
+from nemo_gym_browser import environment, preflight, tasks
 from nemo_gym_browser.dataset import BrowserJSONLDataset, RowError
 from nemo_gym_browser.rows import VERIFIER_KEYS, VerifierMetadataError, validate_verifier_metadata
 
@@ -111,11 +110,11 @@ Entry = tuple[str, type[Exception], Callable[[], Any]]
 
 def through_webvoyager_input(spec: Any, tmp_path: Path) -> Entry:
     record = {"id": "A--1", "ques": "Open About.", "web": "https://a.example/", "verifier_metadata": spec}
-    return LOCATION, prep.InputError, lambda: prep.task_from_webvoyager(record, LOCATION).verifier_metadata
+    return LOCATION, tasks.InputError, lambda: tasks.task_from_webvoyager(record, LOCATION).verifier_metadata
 
 
 def through_nemo_gym_input(spec: Any, tmp_path: Path) -> Entry:
-    return LOCATION, prep.InputError, lambda: prep.task_from_nemo_gym_row(nemo_row(spec), LOCATION).verifier_metadata
+    return LOCATION, tasks.InputError, lambda: tasks.task_from_nemo_gym_row(nemo_row(spec), LOCATION).verifier_metadata
 
 
 def through_the_dataset(spec: Any, tmp_path: Path) -> Entry:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_browser import trajectories as tj
+from nemo_gym_browser import trajectory_page as tp
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing import stepwise_policy as swp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
@@ -166,7 +167,7 @@ def test_a_stepwise_episodes_recipe_advantage_is_its_final_samples(tmp_path):
     log = tmp_path / "advantages.jsonl"
     log.write_text(json.dumps({"step": 1, "samples": samples}) + "\n")
 
-    (entry,) = tj.load_advantage_log(log).items()
+    (entry,) = tp.load_advantage_log(log).items()
 
     assert entry[0] == "u1_0" and entry[1].advantage == pytest.approx(1.0) and entry[1].samples == 3
 
@@ -186,7 +187,7 @@ async def test_a_script_tag_in_the_policys_answer_reaches_the_page_as_text(rollo
     (record,) = records_in(tmp_path / "records")
     assert record["final_answer"] == answer  # the record keeps the policy's text as it was
     page = tmp_path / "page.html"
-    assert tj.main([str(tmp_path / "records"), "--html", str(page)]) == 0
+    assert tp.main([str(tmp_path / "records"), "--html", str(page)]) == 0
     text = page.read_text()
     assert "<script" not in text
     assert "&lt;script&gt;document.title=&#x27;owned&#x27;&lt;/script&gt;" in text
@@ -259,9 +260,9 @@ def write_run(folder: Path, records: list[dict], log: dict[str, tuple[float, flo
 
 
 def test_stock_grpo_is_computed_plainly_from_the_group_with_failures_as_zeros():
-    assert tj.stock_grpo_advantages([1.0, 0.0, 0.0, 0.0]) == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
-    assert tj.stock_grpo_advantages([1.0]) == pytest.approx([1.0], abs=1e-5)  # verl: a group of one, mean 0, std 1
-    assert tj.stock_grpo_advantages([1.0, 1.0]) == [0.0, 0.0]
+    assert tp.stock_grpo_advantages([1.0, 0.0, 0.0, 0.0]) == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert tp.stock_grpo_advantages([1.0]) == pytest.approx([1.0], abs=1e-5)  # verl: a group of one, mean 0, std 1
+    assert tp.stock_grpo_advantages([1.0, 1.0]) == [0.0, 0.0]
 
 
 def test_the_page_shows_each_group_side_by_side_with_the_recipes_and_stock_grpos_advantages(tmp_path):
@@ -271,7 +272,7 @@ def test_the_page_shows_each_group_side_by_side_with_the_recipes_and_stock_grpos
     records_dir = write_run(tmp_path, GROUP_A + group_b + later, log)
 
     page = tmp_path / "page.html"
-    status = tj.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)])
+    status = tp.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)])
 
     assert status == 0
     text = page.read_text()
@@ -298,7 +299,7 @@ def test_a_log_whose_scores_disagree_with_the_records_fails_the_check_but_the_pa
     records_dir = write_run(tmp_path, GROUP_A, {"a_0": (0.0, 0.0), "a_1": (0.0, 0.0)})
     page = tmp_path / "page.html"
 
-    assert tj.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)]) == 1
+    assert tp.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)]) == 1
 
     assert page.exists()
     assert "reward 1 in its record, score 0 in the advantage log" in capsys.readouterr().err
@@ -309,31 +310,48 @@ def test_bad_input_is_a_usage_error_with_the_file_and_line_and_nothing_is_writte
     (records_dir / "step-000003" / "host-1.jsonl").open("a").write("{not json\n")
     page = tmp_path / "page.html"
 
-    assert tj.main([str(records_dir), "--html", str(page)]) == 2
+    assert tp.main([str(records_dir), "--html", str(page)]) == 2
     assert "host-1.jsonl:2: not a JSON line" in capsys.readouterr().err
-    assert tj.main([str(tmp_path / "missing"), "--html", str(page)]) == 2
+    assert tp.main([str(tmp_path / "missing"), "--html", str(page)]) == 2
     assert "not a folder" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert tj.main([str(tmp_path / "empty"), "--html", str(page)]) == 2
+    assert tp.main([str(tmp_path / "empty"), "--html", str(page)]) == 2
     assert "no trajectory records" in capsys.readouterr().err
     (tmp_path / "bad-log.jsonl").write_text('{"step": 1, "samples": [{"key": "a_0_0"}]}\n')
-    assert tj.main([str(records_dir.parent / "empty"), "--html", str(page)]) == 2
+    assert tp.main([str(records_dir.parent / "empty"), "--html", str(page)]) == 2
     good = write_run(tmp_path / "good", GROUP_A[:1])
-    assert tj.main([str(good), "--advantages", str(tmp_path / "bad-log.jsonl"), "--html", str(page)]) == 2
+    assert tp.main([str(good), "--advantages", str(tmp_path / "bad-log.jsonl"), "--html", str(page)]) == 2
     assert "bad-log.jsonl:1: not an advantage-log line" in capsys.readouterr().err
     assert not page.exists()
 
 
 def test_help_explains_the_inputs_and_exit_statuses(capsys):
     with pytest.raises(SystemExit) as stop:
-        tj.main(["--help"])
+        tp.main(["--help"])
 
     assert stop.value.code == 0
     text = capsys.readouterr().out
     assert "--advantages" in text and "NEMO_GYM_BROWSER_ADVANTAGE_LOG" in text and "exit status" in text
     with pytest.raises(SystemExit) as stop:
-        tj.main([])
+        tp.main([])
     assert stop.value.code == 2
+
+
+def test_the_page_command_runs_as_python_dash_m_nemo_gym_browser_trajectories(tmp_path):
+    import subprocess
+    import sys
+
+    records_dir = write_run(tmp_path, GROUP_A[:1])
+    page = tmp_path / "page.html"
+    completed = subprocess.run(
+        [sys.executable, "-m", "nemo_gym_browser.trajectories", str(records_dir), "--html", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert completed.returncode == 0, completed.stderr
+    assert "1 episodes, 1 groups" in completed.stdout and page.read_text().startswith("<!DOCTYPE html>")
 
 
 # ----- the page in a real browser -----------------------------------------------------------------------------
@@ -388,7 +406,7 @@ def test_headless_chromium_renders_the_groups_side_by_side_with_both_advantages_
     log = {f"a_{s}": LOG_A[s] for s in range(4)} | {"b_0": (1.0, 0.7071), "b_1": (0.0, -0.7071)}
     records_dir = write_run(tmp_path, [GROUP_A[0], hostile, *GROUP_A[2:], *group_b], log)
     page = tmp_path / "page.html"
-    assert tj.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)]) == 0
+    assert tp.main([str(records_dir), "--advantages", str(tmp_path / "advantages.jsonl"), "--html", str(page)]) == 0
 
     shot = tmp_path / "page.png"
     chromium(page, tmp_path / "profile-shot", f"--screenshot={shot}")

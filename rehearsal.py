@@ -100,12 +100,12 @@ def marker(task_id: str, sample: int) -> str:
 def fault_rule(plans: dict[int, SamplePlan]) -> Any:
     """A proxy rule that breaks the planned endpoint of the planned attempts of the planned samples."""
     from nemo_gym_browser.testing.chaos_harness import parse_session_id
-    from nemo_gym_browser.testing.fault_proxy import ProxyFault
+    from nemo_gym_browser.testing.faults import Fault
 
     faults = {
-        "seed_session": ProxyFault.status_code(503),
-        "browser_click": ProxyFault.lose_session(),
-        "verify": ProxyFault.status_code(503),
+        "seed_session": Fault.status(503),
+        "browser_click": Fault.lose_session(),
+        "verify": Fault.status(503),
     }
 
     def rule(request: Any) -> Any:

@@ -50,16 +50,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
 from ..browser_agent_loop import close_shared_clients
 from ..judge import BinaryJudge, JudgeConfig
 from . import fake_judge as fj
 from . import scripted_policy as sp
 from .agent_loop_harness import agent_loop_entry, compose_trainer_config, load_tools, make_row
 from .benchmarking import LoopFactory
-from .fake_environment import FakeEnvironmentServer, Fault, FaultAction
-from .fault_proxy import FaultProxy, ProxiedRequest, ProxyFault
+from .fake_environment import FakeEnvironmentServer
+from .fault_proxy import FaultProxy
+from .faults import Fault, Rule, SeenRequest
 from .tokenizer import build_test_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -264,6 +263,20 @@ class Backend:
             return "burst"
         return self.targeting(server, session_id, endpoint) if self.targeting is not None else None
 
+    def rule(self, server: int) -> Rule:
+        """The one fault rule of ``server``: records every call it is asked about and fails those the run aims at."""
+
+        def rule(request: SeenRequest) -> Fault | None:
+            kind = self.fault_for(server, request.session_id, request.endpoint)
+            self.hits.append(Hit(server, request.session_id, request.endpoint, request.received_at, kind))
+            return None if kind is None else self._fault_of(kind)
+
+        return rule
+
+    def _fault_of(self, kind: str) -> Fault:
+        """The fault a planned ``kind`` ("status", "burst", "hang", "slow", "drop", "lose_session", "fail_seed") is."""
+        raise NotImplementedError
+
     async def burst(self, server: int, seconds: float) -> None:
         """Every call to ``server`` answers 503 for ``seconds``."""
         self._bursting.add(server)
@@ -307,28 +320,6 @@ class Backend:
         return {s: max(0.0, end.get(s, last.get(s, t)) - t) for s, t in start.items()}
 
 
-class _Dispatch(FaultAction):
-    """The one fault rule of a fake server: asks the backend, per call, whether and how to fail it."""
-
-    def __init__(self, backend: FakeBackend, server: int, hang_s: float) -> None:
-        self.backend, self.server, self.hang_s = backend, server, hang_s
-
-    async def apply(self, server: FakeEnvironmentServer, call: Any, request: web.Request) -> web.StreamResponse | None:
-        kind = self.backend.fault_for(self.server, call.session_id, call.endpoint)
-        self.backend.hits.append(Hit(self.server, call.session_id, call.endpoint, time.monotonic(), kind))
-        action = {
-            None: None,
-            "status": Fault.status(503),
-            "burst": Fault.status(503),
-            "hang": Fault.hang(self.hang_s),
-            "slow": Fault.hang(self.backend.slow_s),
-            "drop": Fault.drop_connection(),
-            "lose_session": Fault.lose_session(),
-            "fail_seed": Fault.fail_seed(),
-        }[kind]
-        return None if action is None else await action.apply(server, call, request)
-
-
 class FakeBackend(Backend):
     """``count`` in-process fake servers with ``latency_s`` per call."""
 
@@ -341,13 +332,24 @@ class FakeBackend(Backend):
     async def __aenter__(self) -> FakeBackend:
         for index, server in enumerate(self.servers):
             await server.start()
-            server.inject("*", _Dispatch(self, index, self.hang_s))
+            server.set_rule(self.rule(index))
         self.urls = [server.url for server in self.servers]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         for server in self.servers:
             await server.stop()
+
+    def _fault_of(self, kind: str) -> Fault:
+        return {
+            "status": Fault.status(503),
+            "burst": Fault.status(503),
+            "hang": Fault.hang(self.hang_s),
+            "slow": Fault.hang(self.slow_s),
+            "drop": Fault.drop_connection(),
+            "lose_session": Fault.lose_session(),
+            "fail_seed": Fault.fail_seed(),
+        }[kind]
 
     async def kill_and_restart(self, server: int) -> None:
         fake = self.servers[server]
@@ -386,7 +388,7 @@ class ProxiedBackend(Backend):
     async def __aenter__(self) -> ProxiedBackend:
         for index, proxy in enumerate(self.proxies):
             await proxy.start()
-            proxy.set_rule(self._rule(index, proxy))
+            proxy.set_rule(self.rule(index))
         self.urls = [proxy.url for proxy in self.proxies]
         return self
 
@@ -394,22 +396,16 @@ class ProxiedBackend(Backend):
         for proxy in self.proxies:
             await proxy.close()
 
-    def _rule(self, server: int, proxy: FaultProxy) -> Callable[[ProxiedRequest], ProxyFault | None]:
-        def rule(request: ProxiedRequest) -> ProxyFault | None:
-            kind = self.fault_for(server, request.session_id, request.endpoint)
-            self.hits.append(Hit(server, request.session_id, request.endpoint, request.received_at, kind))
-            return {
-                None: None,
-                "status": ProxyFault.status_code(503),
-                "burst": ProxyFault.status_code(503),
-                "hang": ProxyFault.hang(),
-                "slow": ProxyFault.hang(self.slow_s),
-                "drop": ProxyFault.drop(),
-                "lose_session": ProxyFault.lose_session(),
-                "fail_seed": ProxyFault.status_code(500),
-            }[kind]
-
-        return rule
+    def _fault_of(self, kind: str) -> Fault:
+        return {
+            "status": Fault.status(503),
+            "burst": Fault.status(503),
+            "hang": Fault.hang(),
+            "slow": Fault.hang(self.slow_s),
+            "drop": Fault.drop_connection(None),
+            "lose_session": Fault.lose_session(),
+            "fail_seed": Fault.status(500),
+        }[kind]
 
     async def kill_and_restart(self, server: int) -> None:
         proxy = self.proxies[server]

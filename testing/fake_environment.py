@@ -45,19 +45,15 @@ What it does not model: the items inside the Responses API objects are not valid
 them against OpenAI's types; the echo in the verify answer has the same fields and defaults); ``/aggregate_metrics``
 and ``/reverify_mode`` are absent; the browser is a page table (:class:`Site`), not Chromium.
 
-Faults (deterministic; :meth:`FakeEnvironmentServer.inject` per endpoint or ``"*"``, optionally for one session
-and from the Nth matching call for ``times`` calls):
+Faults (deterministic): every :class:`~nemo_gym_browser.testing.faults.Fault` kind, from inside the server (see
+:mod:`~nemo_gym_browser.testing.faults` for what each does), by :meth:`FakeEnvironmentServer.inject` per endpoint or
+``"*"`` (optionally for one session, from the Nth matching call, for ``times`` calls) or per request by a rule
+(:meth:`~FakeEnvironmentServer.set_rule`, the same kind of rule the fault proxy takes). Besides those:
 
 - connection refused: :meth:`~FakeEnvironmentServer.stop`, then :meth:`~FakeEnvironmentServer.start` on the same
   port (or ``async with server.refusing_connections():``); a server killed and restarted:
-  :meth:`~FakeEnvironmentServer.restart`;
-- ``Fault.status(503)``: a 5xx (default body: ``repr`` of an exception as a JSON string, as nemo_gym sends);
-- ``Fault.hang(seconds)``: wait before handling (a client that gives up cancels the handler, as in nemo_gym);
-- ``Fault.lose_session()`` / :meth:`~FakeEnvironmentServer.lose_session`: the server forgets the session;
-- ``Fault.crash_browser()``: the session's browser dies (page calls fail, verify cannot grade);
-- ``Fault.fail_seed()``: the 500 of a start page that does not load; ``Fault.respond({...})``: any other body;
-- ``Fault.drop_connection(partial)``: headers and part of the body, then the connection is aborted;
-- ``Fault.malformed_json()``: a complete answer whose JSON does not parse;
+  :meth:`~FakeEnvironmentServer.restart`; :meth:`~FakeEnvironmentServer.lose_session` and
+  :meth:`~FakeEnvironmentServer.crash_browser` at any moment;
 - ``latency_s`` / :meth:`~FakeEnvironmentServer.set_latency`: a fixed delay before every call (benchmarks).
 
 Bookkeeping for leak tests: :meth:`~FakeEnvironmentServer.events` (per session: ``["seed", "observe", ...,
@@ -84,6 +80,7 @@ import hmac
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -95,6 +92,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError, field_validator
 
 from .background_loop import BackgroundLoop
+from .faults import Fault, Rule, SeenRequest, canned_answer, drop_connection, goto_call_log, hold, with_reward
+from .loopback import LoopbackServer
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +106,6 @@ __all__ = [
     "SESSION_NOT_FOUND_AT_VERIFY",
     "Element",
     "FakeEnvironmentServer",
-    "Fault",
-    "FaultAction",
     "FaultRule",
     "Page",
     "PageState",
@@ -140,9 +137,6 @@ _ELEMENT_NAME_CHARS = 80
 DEFAULT_MAX_ELEMENTS = 50
 # uvicorn's keep-alive as nemo_gym configures it: clients must keep theirs below it.
 _SERVER_KEEPALIVE_S = 30.0
-# uvicorn's graceful shutdown in nemo_gym is 0.5 s; a fake stop should not wait on hung handlers.
-_SHUTDOWN_TIMEOUT_S = 0.05
-_PEERS_NOTICE_CLOSE_S = 0.01
 # uvicorn sets no body limit; aiohttp's default (1 MiB) would turn a long rollout's verify body into a 413.
 _MAX_REQUEST_BYTES = 256 * 1024 * 1024
 # A relative initial_url resolves under the real server's folder; this is where the fake pretends it lives.
@@ -493,10 +487,6 @@ class _ScoringUnavailable(RuntimeError):
     pass
 
 
-def _call_log(action: str, url: str) -> str:
-    return f'{action}\nCall log:\n  - navigating to "{url}", waiting until "domcontentloaded"\n'
-
-
 def _error_page(url: str) -> tuple[str, Page]:
     """The Chromium error page a failed navigation lands on, and the net error code."""
     parts = urlsplit(url)
@@ -563,13 +553,13 @@ class _Browser:
     def goto(self, url: str) -> None:
         self._check_alive("Page.goto")
         if not _navigable(url):
-            raise Error(_call_log("Page.goto: Protocol error (Page.navigate): Cannot navigate to invalid URL", url))
+            raise Error(goto_call_log("Page.goto: Protocol error (Page.navigate): Cannot navigate to invalid URL", url))
         url = _normalise_url(url)
         page = self._site.page(url)
         if page is None:
             code, error_page = _error_page(url)
             self._load_page("chrome-error://chromewebdata/", error_page)
-            raise Error(_call_log(f"Page.goto: {code} at {url}", url))
+            raise Error(goto_call_log(f"Page.goto: {code} at {url}", url))
         self._load_page(url, page)
 
     def observe(self, max_elements: int) -> _Observation:
@@ -694,127 +684,12 @@ class _Call:
         return self.cookie_session[_SESSION_ID_KEY]
 
 
-class FaultAction:
-    """What an injected fault does. ``apply`` answers the request itself, or returns None to let it through."""
-
-    async def apply(
-        self, server: FakeEnvironmentServer, call: _Call, request: web.Request
-    ) -> web.StreamResponse | None:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class _Respond(FaultAction):
-    status: int
-    body: bytes
-    content_type: str
-
-    async def apply(self, server, call, request):
-        return web.Response(status=self.status, body=self.body, content_type=self.content_type)
-
-
-@dataclass(frozen=True)
-class _Hang(FaultAction):
-    seconds: float
-
-    async def apply(self, server, call, request):
-        # Handlers are cancelled when the client goes away (as nemo_gym's disconnect middleware does), so a
-        # client that times out ends the hang; one that waits it out gets the real answer.
-        await asyncio.sleep(self.seconds)
-        return None
-
-
-@dataclass(frozen=True)
-class _LoseSession(FaultAction):
-    async def apply(self, server, call, request):
-        server.lose_session(call.session_id)
-        return None
-
-
-@dataclass(frozen=True)
-class _CrashBrowser(FaultAction):
-    async def apply(self, server, call, request):
-        server.crash_browser(call.session_id)
-        return None
-
-
-@dataclass(frozen=True)
-class _DropConnection(FaultAction):
-    partial_body: bytes | None
-
-    async def apply(self, server, call, request):
-        transport = request.transport
-        if self.partial_body is not None:
-            # Promise a longer body than is ever sent, so the client sees the payload cut short.
-            response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
-            response.content_length = len(self.partial_body) + 64
-            await response.prepare(request)
-            await response.write(self.partial_body)
-            await asyncio.sleep(0)  # let the partial bytes reach the socket before the close
-        if transport is not None:
-            transport.abort()
-        # There is no response left to return: end the handler the way a disconnect does.
-        raise asyncio.CancelledError
-
-
-class Fault:
-    """Factories for the fault actions :meth:`FakeEnvironmentServer.inject` takes."""
-
-    @staticmethod
-    def status(status: int = 500, body: Any = None, content_type: str = "application/json") -> FaultAction:
-        """Answer ``status`` (5xx, or anything) with ``body``: bytes/str as is, otherwise JSON-encoded.
-
-        The default body is what nemo_gym's exception middleware sends for an exception: ``repr`` as a JSON string.
-        """
-        if body is None:
-            body = json.dumps(repr(RuntimeError(f"injected fault: HTTP {status}")))
-        if not isinstance(body, (str, bytes)):
-            body = json.dumps(body)
-        return _Respond(status=status, body=body.encode() if isinstance(body, str) else body, content_type=content_type)
-
-    @staticmethod
-    def respond(body: Any, status: int = 200) -> FaultAction:
-        """Answer ``status`` with this JSON body (for example a seed answer without ``resources_session_id``)."""
-        return Fault.status(status, json.dumps(body))
-
-    @staticmethod
-    def fail_seed(url: str = "http://unreachable.invalid/") -> FaultAction:
-        """The 500 a seed gets when the start page fails to load (no browser is left open)."""
-        error = Error(_call_log(f"Page.goto: net::ERR_NAME_NOT_RESOLVED at {url}", url))
-        return Fault.status(500, json.dumps(repr(error)))
-
-    @staticmethod
-    def hang(seconds: float) -> FaultAction:
-        """Wait ``seconds`` before handling; a client that gives up first cancels the request."""
-        return _Hang(seconds)
-
-    @staticmethod
-    def lose_session() -> FaultAction:
-        """Forget the request's session (as a server restart would), then handle the request."""
-        return _LoseSession()
-
-    @staticmethod
-    def crash_browser() -> FaultAction:
-        """Kill the session's browser, then handle the request: page calls fail, verify cannot grade."""
-        return _CrashBrowser()
-
-    @staticmethod
-    def drop_connection(partial_body: bytes | None = b'{"observation": "URL: ') -> FaultAction:
-        """Send status, headers and ``partial_body``, then abort the connection (None: abort before any byte)."""
-        return _DropConnection(partial_body)
-
-    @staticmethod
-    def malformed_json(body: bytes = b'{"observation": "URL: about:blank\\nTITLE', status: int = 200) -> FaultAction:
-        """Answer ``status`` with a complete HTTP response whose JSON body does not parse."""
-        return _Respond(status=status, body=body, content_type="application/json")
-
-
 @dataclass
 class FaultRule:
     """One injected fault. Counts its own matching calls; ``fired`` says how often it acted."""
 
     endpoint: str
-    action: FaultAction
+    fault: Fault
     on_call: int | None = None
     times: int | None = None
     session_id: str | None = None
@@ -937,14 +812,19 @@ def _json_response(payload: Any, status: int = 200) -> web.Response:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class FakeEnvironmentServer:
+class FakeEnvironmentServer(LoopbackServer):
     """An aiohttp server on 127.0.0.1 that answers like a NeMo Gym 0.7.0 ``interactive_browser`` server.
 
     ``site``: the pages its browsers can load (default: the real server's bundled ``site/``). ``max_elements``:
     the server's element cap. ``latency_s``: a fixed delay before every call (benchmarks). ``browser_open_s``: how
     long a seed spends opening the browser; a seed cancelled during it leaves an orphaned browser, as the real
     server does (counted in :attr:`orphaned_browsers`). ``port``: 0 picks a free one, kept across restarts.
+
+    Lifetime (:class:`~nemo_gym_browser.testing.loopback.LoopbackServer`): ``start`` listens, ``stop`` cuts every
+    connection and keeps the sessions unless told to lose them, ``close`` (and leaving ``async with``) is ``stop``.
     """
+
+    description = "the fake environment server"
 
     def __init__(
         self,
@@ -959,7 +839,7 @@ class FakeEnvironmentServer:
         self.max_elements = max_elements
         self.latency_s = latency_s
         self.browser_open_s = browser_open_s
-        self.port = port
+        super().__init__(port=port)
         self.orphaned_browsers = 0
         self._cookies = _CookieCodec(COOKIE_NAME)
         self._states: dict[str, _SessionState] = {}
@@ -970,7 +850,7 @@ class FakeEnvironmentServer:
         self._calls: dict[str, int] = dict.fromkeys(_ENDPOINTS, 0)
         self._latency: dict[str, float] = {}
         self._rules: list[FaultRule] = []
-        self._runner: web.AppRunner | None = None
+        self._rule: Rule | None = None
         self._handlers: Mapping[str, Callable[[_Call], Coroutine[Any, Any, web.Response]]] = {
             "seed_session": self._seed_session,
             "close_session": self._close_session,
@@ -984,46 +864,13 @@ class FakeEnvironmentServer:
 
     # ----- lifetime -------------------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> FakeEnvironmentServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
-    @property
-    def url(self) -> str:
-        if not self.port:
-            raise RuntimeError("the fake environment server has not been started")
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._runner is not None
-
-    async def start(self) -> None:
-        """Listen on 127.0.0.1 (the same port as before after a stop). Idempotent."""
-        if self._runner is not None:
-            return
+    def _application(self) -> web.Application:
         app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
         app.router.add_route("*", "/{path:.*}", self._dispatch)
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=True,
-            keepalive_timeout=_SERVER_KEEPALIVE_S,
-            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", self.port)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self.port = runner.addresses[0][1]
-        self._runner = runner
-        logger.debug("fake environment server listening on %s", self.url)
+        return app
+
+    def _runner_options(self) -> dict[str, Any]:
+        return {"keepalive_timeout": _SERVER_KEEPALIVE_S}
 
     async def stop(self, *, lose_state: bool = False) -> None:
         """Close the port and every open connection (in-flight requests are cut off). Idempotent.
@@ -1031,12 +878,7 @@ class FakeEnvironmentServer:
         ``lose_state=True`` also forgets every session, as a killed server process does; without it the sessions
         are there again after :meth:`start` (a network outage rather than a crash).
         """
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-            # Clients on this event loop see the closed connections before they reuse a pooled one, as a client
-            # of a real (remote) server would by the time it sends its next request.
-            await asyncio.sleep(_PEERS_NOTICE_CLOSE_S)
+        await super().stop()
         if lose_state:
             self._forget_everything()
 
@@ -1088,7 +930,7 @@ class FakeEnvironmentServer:
     def inject(
         self,
         endpoint: str,
-        action: FaultAction,
+        fault: Fault,
         *,
         on_call: int | None = None,
         times: int | None = None,
@@ -1099,7 +941,8 @@ class FakeEnvironmentServer:
         Every rule counts the requests it matches (endpoint, and ``session_id`` when given) from the moment it is
         added. It is due from its ``on_call``-th match on (default: the first) for ``times`` matches (default: 1
         with ``on_call``, otherwise forever). When several rules are due, the one added first acts and the others
-        let that call pass. The per-call latency applies before any rule.
+        let that call pass; the rule of :meth:`set_rule` is asked only about calls no injected fault acts on. The
+        per-call latency applies before any of them.
         """
         if on_call is not None and on_call < 1:
             raise ValueError("on_call counts from 1")
@@ -1107,7 +950,7 @@ class FakeEnvironmentServer:
             raise ValueError("times must be at least 1")
         rule = FaultRule(
             endpoint=_endpoint_name(endpoint),
-            action=action,
+            fault=fault,
             on_call=on_call,
             times=1 if (times is None and on_call is not None) else times,
             session_id=session_id,
@@ -1117,6 +960,14 @@ class FakeEnvironmentServer:
 
     def clear_faults(self) -> None:
         self._rules.clear()
+
+    def set_rule(self, rule: Rule | None) -> None:
+        """Ask ``rule`` about every call from now on that no injected fault acts on (None: ask nothing).
+
+        The rule sees the call's endpoint, session and the task the session was seeded for, after the per-call
+        latency; the :class:`~nemo_gym_browser.testing.faults.Fault` it answers acts on that call.
+        """
+        self._rule = rule
 
     def _rule_for(self, endpoint: str, session_id: str) -> FaultRule | None:
         chosen = None
@@ -1184,10 +1035,10 @@ class FakeEnvironmentServer:
         delay = self._latency.get(name, self.latency_s)
         if delay > 0:
             await asyncio.sleep(delay)
-        rule = self._rule_for(name, call.session_id)
-        if rule is not None:
-            logger.info("fake environment: %s on %s (session %s)", type(rule.action).__name__, name, call.session_id)
-            faulted = await rule.action.apply(self, call, request)
+        fault = self._fault_for(call)
+        if fault is not None:
+            logger.info("fake environment: %s on %s (session %s)", fault.kind, name, call.session_id)
+            faulted = await self._apply(fault, call, request)
             if faulted is not None:
                 return faulted
 
@@ -1200,8 +1051,41 @@ class FakeEnvironmentServer:
             # (so no Set-Cookie).
             logger.debug("fake environment: %s answered 500: %r", name, exc)
             return _json_response(repr(exc), status=500)
+        if fault is not None and fault.kind == "regrade" and response.status == 200 and response.body is not None:
+            response.body = with_reward(response.body, fault.reward)
         self._set_cookie(response, call)
         return response
+
+    def _fault_for(self, call: _Call) -> Fault | None:
+        """The injected fault that is due for this call, else the rule's answer, else None."""
+        injected = self._rule_for(call.endpoint, call.session_id)
+        if injected is not None:
+            return injected.fault
+        if self._rule is None:
+            return None
+        seen = SeenRequest(call.endpoint, call.session_id, time.monotonic(), self._task_id(call))
+        return self._rule(seen)
+
+    async def _apply(self, fault: Fault, call: _Call, request: web.Request) -> web.StreamResponse | None:
+        """Carry out ``fault`` before the handler: its answer, or None to let the call through to the handler."""
+        if fault.kind == "status":
+            return canned_answer(fault)
+        if fault.kind == "drop":
+            await drop_connection(request, fault)
+        if fault.kind == "hang":
+            await hold(fault)
+        elif fault.kind == "lose_session":
+            self.lose_session(call.session_id)
+        elif fault.kind == "crash_browser":
+            self.crash_browser(call.session_id)
+        return None  # "regrade" acts on the handler's answer
+
+    def _task_id(self, call: _Call) -> str | None:
+        """The task the call's session was seeded for: the typed seed's own, or the one its session is bound to."""
+        if isinstance(call.parsed, ResourcesSeedSessionRequest):
+            return call.parsed.task_id.task_id
+        identity = self._typed_identity.get(call.session_id)
+        return identity[1].task_id if identity is not None else None
 
     @staticmethod
     def _not_an_endpoint(request: web.Request) -> web.Response:

@@ -7,18 +7,22 @@ misbehaved, without touching the server:
 - :meth:`FaultProxy.stop` / :meth:`FaultProxy.start`: the port closes (connection refused) and every open
   connection is cut, then the port opens again: what a client sees of a server process killed and restarted.
   (Pair it with restarting the upstream itself, which is what loses the sessions.)
-- per request, a rule (:meth:`FaultProxy.set_rule`) may choose a :class:`ProxyFault`:
-  ``status(503)`` answers a 5xx without forwarding; ``hang(s)`` holds the request (a client that gives up cuts
-  it, and it is then never forwarded); ``drop()`` aborts the connection without answering; ``lose_session()``
-  forwards the request without its session cookie and strips the cookie the answer sets, so the server serves a
-  session it does not know, as after a restart; ``regrade(r)`` forwards a ``/verify`` and hands the client the
-  server's own answer with its ``reward`` replaced by ``r`` (a planted grade, so a test can fix a group's scores;
-  the server still grades and releases the browser as usual).
+- per request, a rule (:meth:`FaultProxy.set_rule`) may choose a :class:`~nemo_gym_browser.testing.faults.Fault`,
+  the vocabulary the fake server takes too (see :mod:`~nemo_gym_browser.testing.faults` for each kind):
+  ``status`` answers without forwarding; ``hang`` holds the request (a client that gives up cuts it, and it is
+  then never forwarded); ``drop`` aborts the connection, after a partial answer if the fault has one, without
+  forwarding; ``lose_session`` forwards the request without its session cookie and strips the cookie the answer
+  sets, so the server serves a session it does not know, as after a restart; ``regrade`` forwards a ``/verify``
+  and hands the client the server's own answer with its ``reward`` replaced (a planted grade, so a test can fix a
+  group's scores; the server still grades and releases the browser as usual).
+- a fault that needs the inside of the server (``crash_browser``: the browser lives in the server) is refused:
+  :meth:`FaultProxy.check` raises a ``ValueError`` naming it and why; a rule that answers one anyway gets its
+  request answered 500 with that error (logged, never forwarded).
 
-Rules see a :class:`ProxiedRequest`: the endpoint and the ``interactive_browser`` session it belongs to (the
-typed ``resources_session_id`` of a seed or close body, otherwise the id carried by the Starlette session cookie;
-both the real server's and the fake's cookies carry ``{"session_id": ...}`` as base64 JSON before the first dot),
-and the task that session was seeded for (the typed seed's ``task_id``).
+Rules see a :class:`~nemo_gym_browser.testing.faults.SeenRequest`: the endpoint and the ``interactive_browser``
+session it belongs to (the typed ``resources_session_id`` of a seed or close body, otherwise the id carried by the
+Starlette session cookie; both the real server's and the fake's cookies carry ``{"session_id": ...}`` as base64
+JSON before the first dot), and the task that session was seeded for (the typed seed's ``task_id``).
 
 Bookkeeping: :attr:`FaultProxy.log` lists every request with the fault applied to it and the status the client
 got; :attr:`FaultProxy.open_session_ids` are the sessions whose seed succeeded through the proxy and that no
@@ -33,12 +37,14 @@ import binascii
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
 
 import aiohttp
 from aiohttp import web
+
+from .faults import Fault, FaultKind, Rule, SeenRequest, canned_answer, drop_connection, hold, with_reward
+from .loopback import LoopbackServer
 
 logger = logging.getLogger(__name__)
 
@@ -59,66 +65,19 @@ _HOP_HEADERS = frozenset(
 )
 # Endpoints whose successful answer releases the browser (the server forgets the session's browser).
 _RELEASING = frozenset({"verify", "close_session"})
-# A stopped proxy should not wait for requests it is cutting off anyway.
-_SHUTDOWN_TIMEOUT_S = 0.05
-# Longest a hold may last when nobody cuts it (a test that forgot to): well above any client timeout used here.
-_HANG_LIMIT_S = 600.0
-
-
-@dataclass(frozen=True)
-class ProxyFault:
-    """What the proxy does to one request instead of (or on the way to) forwarding it."""
-
-    kind: str  # "status", "hang", "drop", "lose_session", "regrade"
-    status: int = 503
-    seconds: float = 0.0
-    reward: float = 0.0
-
-    @staticmethod
-    def status_code(status: int = 503) -> ProxyFault:
-        """Answer ``status`` with a nemo_gym-style body (an exception repr as a JSON string); never forwarded."""
-        return ProxyFault("status", status=status)
-
-    @staticmethod
-    def hang(seconds: float = _HANG_LIMIT_S) -> ProxyFault:
-        """Hold the request for ``seconds`` (then forward it); a client that times out first cuts it."""
-        return ProxyFault("hang", seconds=seconds)
-
-    @staticmethod
-    def drop() -> ProxyFault:
-        """Abort the connection without answering; the request is never forwarded."""
-        return ProxyFault("drop")
-
-    @staticmethod
-    def lose_session() -> ProxyFault:
-        """Forward without the session cookie and strip the one the answer sets: the server no longer knows it."""
-        return ProxyFault("lose_session")
-
-    @staticmethod
-    def regrade(reward: float) -> ProxyFault:
-        """Forward; a 200 answer carrying a ``reward`` reaches the client with ``reward`` in its place."""
-        return ProxyFault("regrade", reward=reward)
-
-
-@dataclass(frozen=True)
-class ProxiedRequest:
-    """What a rule may look at."""
-
-    endpoint: str  # the path without its leading slash, e.g. "browser_click"
-    session_id: str | None
-    received_at: float  # time.monotonic()
-    task_id: str | None = None  # the task the session was seeded for (the typed seed's task_id), when known
+# The fault kinds a proxy cannot carry out, and why: they need to reach inside the server.
+_NEEDS_THE_SERVER: dict[FaultKind, str] = {
+    "crash_browser": "the browser lives inside the server, out of a proxy's reach "
+    "(inject it into a FakeEnvironmentServer instead)",
+}
 
 
 @dataclass(frozen=True)
 class LogEntry:
-    request: ProxiedRequest
-    fault: str | None
+    request: SeenRequest
+    fault: FaultKind | None
     status: int | None  # what the client got; None when it got no answer (dropped, cut off, upstream down)
     finished_at: float
-
-
-Rule = Callable[[ProxiedRequest], ProxyFault | None]
 
 
 def session_id_from_cookie(cookie_header: str | None) -> str | None:
@@ -163,71 +122,44 @@ def _typed_task_id(body: bytes) -> str | None:
     return task_id if isinstance(task_id, str) else None
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     """An HTTP/1.1 reverse proxy from ``127.0.0.1:<port>`` to ``upstream``, with faults on demand (see module doc).
 
     ``upstream_timeout_s`` bounds every forwarded call; ``port`` 0 picks a free port, kept across restarts.
+    Lifetime (:class:`~nemo_gym_browser.testing.loopback.LoopbackServer`): ``start`` opens the upstream connection
+    pool and listens, ``stop`` cuts every connection and keeps the pool, ``close`` (and leaving ``async with``) stops
+    and releases the pool.
     """
 
+    description = "the fault proxy"
+
     def __init__(self, upstream: str, *, port: int = 0, upstream_timeout_s: float = 300.0) -> None:
+        super().__init__(port=port)
         self.upstream = upstream.rstrip("/")
-        self.port = port
         self.upstream_timeout_s = upstream_timeout_s
         self.log: list[LogEntry] = []
         self._rule: Rule | None = None
         self._open: dict[str, float] = {}  # session id -> time its seed succeeded
         self._tasks: dict[str, str] = {}  # session id -> task id, from its seed (kept: a few dozen bytes a session)
-        self._runner: web.AppRunner | None = None
         self._client: aiohttp.ClientSession | None = None
 
     # ----- lifetime --------------------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> FaultProxy:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    @property
-    def url(self) -> str:
-        if not self.port:
-            raise RuntimeError("the fault proxy has not been started")
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._runner is not None
+    def _application(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        return app
 
     async def start(self) -> None:
-        """Listen (again, on the same port after a stop). Idempotent."""
-        if self._runner is not None:
-            return
+        """Open the upstream connection pool if need be, then listen (again, on the same port after a stop).
+        Idempotent."""
         if self._client is None:
             self._client = aiohttp.ClientSession(
                 cookie_jar=aiohttp.DummyCookieJar(),  # cookies pass through as headers, never stored here
                 auto_decompress=False,
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10.0),
             )
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{path:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, "127.0.0.1", self.port).start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self.port = runner.addresses[0][1]
-        self._runner = runner
-        logger.debug("fault proxy %s -> %s", self.url, self.upstream)
-
-    async def stop(self) -> None:
-        """Close the port and cut every open connection, requests in flight included. Idempotent."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-            await asyncio.sleep(0.01)  # let clients on this loop see the cut before they reuse a pooled connection
+        await super().start()
 
     async def restart(self) -> None:
         await self.stop()
@@ -245,6 +177,14 @@ class FaultProxy:
     def set_rule(self, rule: Rule | None) -> None:
         """Consult ``rule`` for every request from now on (None: forward everything untouched)."""
         self._rule = rule
+
+    @staticmethod
+    def check(fault: Fault) -> Fault:
+        """``fault`` if a proxy can carry it out; otherwise a ``ValueError`` naming the fault and why not."""
+        why = _NEEDS_THE_SERVER.get(fault.kind)
+        if why is not None:
+            raise ValueError(f"the fault proxy cannot inject a {fault.kind!r} fault: {why}")
+        return fault
 
     @property
     def open_session_ids(self) -> tuple[str, ...]:
@@ -268,7 +208,7 @@ class FaultProxy:
             task_id = _typed_task_id(body)
             if task_id is not None:
                 self._tasks[session_id] = task_id
-        proxied = ProxiedRequest(
+        proxied = SeenRequest(
             endpoint=endpoint,
             session_id=session_id,
             received_at=time.monotonic(),
@@ -277,7 +217,7 @@ class FaultProxy:
         fault = self._rule(proxied) if self._rule is not None else None
         status: int | None = None
         try:
-            response = await self._apply(request, body, proxied, fault)
+            response = self._refusal(fault, proxied) or await self._apply(request, body, proxied, fault)
             status = response.status
             return response
         finally:
@@ -288,20 +228,29 @@ class FaultProxy:
                 elif endpoint in _RELEASING:
                     self._open.pop(session_id, None)
 
+    def _refusal(self, fault: Fault | None, proxied: SeenRequest) -> web.Response | None:
+        """The 500 a request gets when its rule chose a fault the proxy cannot do (the error logged), else None."""
+        if fault is None:
+            return None
+        try:
+            self.check(fault)
+        except ValueError as exc:
+            logger.error("fault proxy: %s (%s, session %s)", exc, proxied.endpoint, proxied.session_id)
+            return web.Response(status=500, text=json.dumps(repr(exc)), content_type="application/json")
+        return None
+
     async def _apply(
-        self, request: web.Request, body: bytes, proxied: ProxiedRequest, fault: ProxyFault | None
+        self, request: web.Request, body: bytes, proxied: SeenRequest, fault: Fault | None
     ) -> web.StreamResponse:
+        """Carry out ``fault`` (None: forward untouched)."""
         if fault is not None:
             logger.info("fault proxy: %s on %s (session %s)", fault.kind, proxied.endpoint, proxied.session_id)
         if fault is not None and fault.kind == "status":
-            text = json.dumps(repr(RuntimeError(f"injected by the fault proxy: HTTP {fault.status}")))
-            return web.Response(status=fault.status, text=text, content_type="application/json")
+            return canned_answer(fault)
         if fault is not None and fault.kind == "drop":
-            if request.transport is not None:
-                request.transport.abort()
-            raise asyncio.CancelledError  # no response left to send: end the handler as a disconnect does
+            await drop_connection(request, fault)
         if fault is not None and fault.kind == "hang":
-            await asyncio.sleep(min(fault.seconds, _HANG_LIMIT_S))
+            await hold(fault)
         strip_cookie = fault is not None and fault.kind == "lose_session"
         regrade = fault.reward if fault is not None and fault.kind == "regrade" else None
         return await self._forward(request, body, strip_cookie=strip_cookie, regrade=regrade)
@@ -325,7 +274,7 @@ class FaultProxy:
             ) as upstream:
                 payload = await upstream.read()
                 if regrade is not None and upstream.status == 200:
-                    payload = _with_reward(payload, regrade)
+                    payload = with_reward(payload, regrade)
                 answer = web.Response(status=upstream.status, body=payload)
                 for name, value in upstream.headers.items():
                     lowered = name.lower()
@@ -340,17 +289,6 @@ class FaultProxy:
             return web.Response(status=502, text=text, content_type="application/json")
 
 
-def _with_reward(payload: bytes, reward: float) -> bytes:
-    """``payload`` (a JSON object with a ``reward``) with ``reward`` replaced; anything else unchanged."""
-    try:
-        answer = json.loads(payload)
-    except ValueError:
-        return payload
-    if not isinstance(answer, dict) or "reward" not in answer:
-        return payload
-    return json.dumps({**answer, "reward": reward}).encode()
-
-
 def fault_counts(log: list[LogEntry]) -> dict[str, int]:
     """How many requests each fault kind hit (for reports)."""
     counts: dict[str, int] = {}
@@ -360,4 +298,4 @@ def fault_counts(log: list[LogEntry]) -> dict[str, int]:
     return counts
 
 
-__all__ = ["FaultProxy", "LogEntry", "ProxiedRequest", "ProxyFault", "Rule", "fault_counts", "session_id_from_cookie"]
+__all__ = ["FaultProxy", "LogEntry", "fault_counts", "session_id_from_cookie"]

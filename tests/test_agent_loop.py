@@ -16,10 +16,11 @@ import time
 import pytest
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
-from nemo_gym_browser.browser_agent_loop import DROP_INVALID_ENV, BrowserLoopSettings
+from nemo_gym_browser.settings import DROP_INVALID_ENV, BrowserLoopSettings
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer, Fault
+from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer
+from nemo_gym_browser.testing.faults import Fault
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 ABOUT = {"url_contains": "about.html"}

@@ -11,7 +11,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer, Fault
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.faults import Fault
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 ABOUT = {"url_contains": "about.html"}

@@ -19,14 +19,15 @@ from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 from nemo_gym_browser.testing.chaos_harness import parse_session_id
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.fault_proxy import FaultProxy, ProxiedRequest
+from nemo_gym_browser.testing.fault_proxy import FaultProxy
+from nemo_gym_browser.testing.faults import SeenRequest
 
 BROWSER_CALLS = ("browser_observe", "browser_navigate", "browser_click", "browser_type")
 NEVER_FAULTED = ("seed_session", "browser_finish", "verify", "close_session")
 
 
-def request(endpoint: str, session_id: str | None, task_id: str | None = "train") -> ProxiedRequest:
-    return ProxiedRequest(endpoint=endpoint, session_id=session_id, received_at=0.0, task_id=task_id)
+def request(endpoint: str, session_id: str | None, task_id: str | None = "train") -> SeenRequest:
+    return SeenRequest(endpoint=endpoint, session_id=session_id, received_at=0.0, task_id=task_id)
 
 
 def faulted_calls(rule, traffic: list[tuple[str, str]]) -> set[tuple[str, int]]:

@@ -26,13 +26,13 @@ from nemo_gym_browser.testing.fake_environment import (
     SESSION_NOT_FOUND_AT_VERIFY,
     Element,
     FakeEnvironmentServer,
-    Fault,
     Page,
     Site,
     button,
     link,
     text_input,
 )
+from nemo_gym_browser.testing.faults import Fault, SeenRequest
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
 INDEX_URL = BUNDLED_ROOT + "site/index.html"
@@ -699,6 +699,34 @@ async def test_a_crashed_browser_fails_page_calls_and_verify_reports_it_unreacha
         "Locator.count: Target page, context or browser has been closed",
     )
     assert server.open_sessions == 0
+
+
+async def test_a_regrade_plants_the_reward_in_the_graded_answer_and_verify_still_releases_the_browser(
+    server, client
+) -> None:
+    await seeded(client)  # still on the home page: the task (the about page) grades 0
+    server.inject("verify", Fault.regrade(1.0), on_call=1)
+    status, verdict = await client.post("verify", VERIFY_BODY)
+    assert (status, verdict["reward"], verdict["failure_reason"]) == (200, 1.0, None)
+    assert server.open_sessions == 0
+
+
+async def test_a_rule_sees_every_call_with_its_session_and_task_and_its_fault_acts_on_that_call(server, client) -> None:
+    seen = []
+
+    def rule(request: SeenRequest) -> Fault | None:
+        seen.append((request.endpoint, request.session_id, request.task_id))
+        return Fault.status(503) if request.endpoint == "browser_click" else None
+
+    server.set_rule(rule)
+    await seeded(client)
+    statuses = [(await client.post("browser_click", {"element_id": 1}))[0]]
+    server.inject("browser_observe", Fault.status(504), on_call=1)  # an injected fault acts first: no rule asked
+    statuses.append((await client.post("browser_observe", {}))[0])
+
+    assert statuses == [503, 504]
+    assert seen == [("seed_session", "s-1", "task-1"), ("browser_click", "s-1", "task-1")]
+    assert server.calls("browser_click") == 1 and server.events("s-1") == ["seed", "click", "observe"]
 
 
 async def test_a_fixed_latency_delays_every_call(server, client) -> None:

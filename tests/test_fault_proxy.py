@@ -15,7 +15,8 @@ import pytest
 
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure, FailureKind
 from nemo_gym_browser.testing.fake_environment import COOKIE_NAME, FakeEnvironmentServer
-from nemo_gym_browser.testing.fault_proxy import FaultProxy, ProxyFault, session_id_from_cookie
+from nemo_gym_browser.testing.fault_proxy import FaultProxy, session_id_from_cookie
+from nemo_gym_browser.testing.faults import Fault
 
 ABOUT = {"url_contains": "about.html"}
 _rollouts = itertools.count()
@@ -33,17 +34,21 @@ async def proxy(fake):
         yield front
 
 
-@pytest.fixture
-async def client(proxy):
+def client_of(url: str) -> EnvironmentClient:
     config = EnvironmentConfig(
-        server_urls=(proxy.url,),
+        server_urls=(url,),
         call_timeout_s=0.5,
         verify_timeout_s=0.5,
         seed_timeout_s=2,
         close_timeout_s=2,
         retry_backoff_s=0.01,
     )
-    async with EnvironmentClient(config) as env:
+    return EnvironmentClient(config)
+
+
+@pytest.fixture
+async def client(proxy):
+    async with client_of(proxy.url) as env:
         yield env
 
 
@@ -57,7 +62,7 @@ def session(client):
     )
 
 
-def faulting(endpoint: str, fault: ProxyFault):
+def faulting(endpoint: str, fault: Fault):
     return lambda request: fault if request.endpoint == endpoint else None
 
 
@@ -90,7 +95,7 @@ async def test_rules_see_the_task_a_session_was_seeded_for_on_every_later_reques
 
 
 async def test_a_5xx_fault_is_answered_by_the_proxy_and_never_reaches_the_server(proxy, fake, client):
-    proxy.set_rule(faulting("browser_click", ProxyFault.status_code(503)))
+    proxy.set_rule(faulting("browser_click", Fault.status(503)))
 
     async with session(client) as s:
         await s.observe()
@@ -104,7 +109,7 @@ async def test_a_5xx_fault_is_answered_by_the_proxy_and_never_reaches_the_server
 
 
 async def test_a_dropped_connection_is_unreachable_and_the_request_is_not_forwarded(proxy, fake, client):
-    proxy.set_rule(faulting("browser_click", ProxyFault.drop()))
+    proxy.set_rule(faulting("browser_click", Fault.drop_connection(None)))
 
     async with session(client) as s:
         await s.observe()
@@ -117,7 +122,7 @@ async def test_a_dropped_connection_is_unreachable_and_the_request_is_not_forwar
 
 
 async def test_a_hang_is_cut_by_the_client_timeout_and_never_forwarded(proxy, fake, client):
-    proxy.set_rule(faulting("browser_click", ProxyFault.hang()))
+    proxy.set_rule(faulting("browser_click", Fault.hang()))
 
     async with session(client) as s:
         await s.observe()
@@ -130,7 +135,7 @@ async def test_a_hang_is_cut_by_the_client_timeout_and_never_forwarded(proxy, fa
 
 
 async def test_a_lost_session_is_reported_as_such_and_the_typed_close_still_releases_the_browser(proxy, fake, client):
-    proxy.set_rule(faulting("browser_click", ProxyFault.lose_session()))
+    proxy.set_rule(faulting("browser_click", Fault.lose_session()))
 
     async with session(client) as s:
         await s.observe()
@@ -145,9 +150,9 @@ async def test_a_lost_session_is_reported_as_such_and_the_typed_close_still_rele
 @pytest.mark.parametrize(
     ("fault", "kind"),
     [
-        (ProxyFault.status_code(503), FailureKind.VERIFY_UNAVAILABLE),
-        (ProxyFault.lose_session(), FailureKind.SESSION_LOST),
-        (ProxyFault.hang(), FailureKind.VERIFY_UNAVAILABLE),
+        (Fault.status(503), FailureKind.VERIFY_UNAVAILABLE),
+        (Fault.lose_session(), FailureKind.SESSION_LOST),
+        (Fault.hang(), FailureKind.VERIFY_UNAVAILABLE),
     ],
 )
 async def test_each_fault_at_verify_is_a_failure_to_grade_never_a_zero_and_the_close_still_releases_the_browser(
@@ -168,7 +173,7 @@ async def test_each_fault_at_verify_is_a_failure_to_grade_never_a_zero_and_the_c
 async def test_a_regraded_verify_reaches_the_client_with_the_planted_reward_and_still_releases_the_browser(
     proxy, fake, client
 ):
-    proxy.set_rule(faulting("verify", ProxyFault.regrade(1.0)))
+    proxy.set_rule(faulting("verify", Fault.regrade(1.0)))
 
     async with session(client) as s:
         await s.observe()
@@ -180,6 +185,69 @@ async def test_a_regraded_verify_reaches_the_client_with_the_planted_reward_and_
     assert fake.events(s.session_id)[-2:] == ["verify", "close"]
     assert fake.open_sessions == 0 and proxy.open_session_ids == ()
     assert [e.fault for e in proxy.log if e.request.endpoint == "verify"] == ["regrade"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [
+        (Fault.status(503), FailureKind.SERVER_ERROR),
+        (Fault.hang(), FailureKind.TIMEOUT),
+        (Fault.drop_connection(), FailureKind.UNREACHABLE),
+        (Fault.lose_session(), FailureKind.SESSION_LOST),
+    ],
+    ids=["status", "hang", "drop", "lose_session"],
+)
+@pytest.mark.parametrize("where", ["fake", "proxy"])
+async def test_one_fault_value_fails_a_click_the_same_way_from_inside_the_fake_and_through_the_proxy(
+    fault, kind, where, proxy, fake
+):
+    if where == "fake":
+        fake.inject("browser_click", fault, on_call=1)
+    else:
+        proxy.set_rule(faulting("browser_click", fault))
+
+    async with client_of(fake.url if where == "fake" else proxy.url) as client, session(client) as s:
+        await s.observe()
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.click(1)
+
+    assert failure.value.kind is kind
+    assert fake.open_sessions == 0
+
+
+def test_the_proxy_refuses_a_fault_that_needs_the_inside_of_the_server_and_accepts_every_other_kind():
+    with pytest.raises(ValueError, match=r"cannot inject a 'crash_browser' fault: the browser lives inside the server"):
+        FaultProxy.check(Fault.crash_browser())
+    others = [Fault.status(503), Fault.hang(), Fault.drop_connection(), Fault.lose_session(), Fault.regrade(1.0)]
+    assert [FaultProxy.check(fault) for fault in others] == others
+
+
+async def test_a_rule_that_answers_a_refused_fault_gets_a_500_naming_it_and_the_request_is_never_forwarded(
+    proxy, fake, client
+):
+    proxy.set_rule(faulting("browser_click", Fault.crash_browser()))
+
+    async with session(client) as s:
+        await s.observe()
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.click(1)
+
+    assert failure.value.kind is FailureKind.SERVER_ERROR and "crash_browser" in failure.value.reason
+    assert fake.calls("browser_click") == 0
+    assert [(e.fault, e.status) for e in proxy.log if e.request.endpoint == "browser_click"] == [("crash_browser", 500)]
+    assert fake.open_sessions == 0
+
+
+async def test_a_drop_with_a_partial_answer_cuts_the_body_short_and_the_request_is_not_forwarded(proxy, fake, client):
+    proxy.set_rule(faulting("browser_click", Fault.drop_connection()))
+
+    async with session(client) as s:
+        await s.observe()
+        with pytest.raises(EnvironmentFailure) as failure:
+            await s.click(1)
+
+    assert failure.value.kind is FailureKind.UNREACHABLE
+    assert fake.calls("browser_click") == 0
 
 
 async def test_a_stopped_proxy_refuses_connections_and_serves_again_on_the_same_port_after_start(proxy, client):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer, Fault
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.faults import Fault
 
 SCRIPT = Path(__file__).resolve().parents[1] / "smoke_environment.py"
 

@@ -37,7 +37,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import ctypes
 import enum
 import json
 import logging
@@ -53,10 +52,20 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from nemo_gym_browser.processes import (
+    Proc,
+    all_processes,
+    cmdline,
+    descendants,
+    die_with_parent,
+    executable_name,
+    is_alive,
+    stop_process_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +91,6 @@ POLL_INTERVAL_S = 0.2
 # The probe episode covers the browser path (Playwright driver, CDP connect, first navigation) on a cold machine.
 PROBE_TIMEOUT_S = 60.0
 LOG_TAIL_LINES = 40
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Executable names of a Chromium build (Debian's, and the names Playwright's folder layout links to it under).
 CHROMIUM_NAMES = frozenset({"chromium", "chrome", "chrome-headless-shell", "headless_shell"})
 # What stop() may find outside its process groups: Chromium's daemonized crash handlers and Playwright's pieces.
@@ -131,103 +139,6 @@ class BrowserState:
     @property
     def idle(self) -> bool:
         return not (self.contexts or self.pages or self.drivers or self.browsers)
-
-
-# --------------------------------------------------------------------------------------------- processes (/proc)
-@dataclass(frozen=True)
-class _Proc:
-    pid: int
-    ppid: int
-    start_ticks: int  # /proc/<pid>/stat field 22: tells a live process from a reused PID
-
-
-def _read_proc(pid: int) -> _Proc | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may contain spaces
-    if fields[0] == "Z":  # a zombie holds nothing; its parent reaps it
-        return None
-    return _Proc(pid=pid, ppid=int(fields[1]), start_ticks=int(fields[19]))
-
-
-def all_processes() -> list[_Proc]:
-    procs = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (proc := _read_proc(int(entry))) is not None:
-            procs.append(proc)
-    return procs
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _executable_name(pid: int) -> str:
-    try:
-        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        return ""
-
-
-def descendants(root_pids: set[int], procs: list[_Proc]) -> list[_Proc]:
-    children: dict[int, list[_Proc]] = {}
-    for proc in procs:
-        children.setdefault(proc.ppid, []).append(proc)
-    found, frontier = [], list(root_pids)
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            found.append(child)
-            frontier.append(child.pid)
-    return found
-
-
-def _is_alive(proc: _Proc) -> bool:
-    current = _read_proc(proc.pid)
-    return current is not None and current.start_ticks == proc.start_ticks
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGKILL the child when we die, even by SIGKILL (no atexit, no finally).
-
-    Only from the main thread: the kernel ties the signal to the thread that forked, and a worker thread that
-    ends would take a healthy server with it.
-    """
-    if threading.current_thread() is not threading.main_thread() or not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def set_parent_death_signal() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return set_parent_death_signal
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _stop_process_group(popen: subprocess.Popen[bytes], name: str, grace_s: float) -> None:
-    """SIGTERM the group ``popen`` leads, wait up to ``grace_s``, then SIGKILL it."""
-    if popen.poll() is None:
-        logger.debug("stopping %s (pid %s) with SIGTERM", name, popen.pid)
-        _signal_group(popen.pid, signal.SIGTERM)
-        try:
-            popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s (pid %s) ignored SIGTERM for %.0f s; sending SIGKILL", name, popen.pid, grace_s)
-    # The leader may be gone while members live on (Chromium's zygotes, a Playwright driver).
-    _signal_group(popen.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        popen.wait(timeout=grace_s)
 
 
 # --------------------------------------------------------------------------------------------- small HTTP helpers
@@ -466,7 +377,7 @@ class LocalEnvironment:
         with self.chromium_log.open("wb") as log:
             self._chromium = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self._child_env(), start_new_session=True, preexec_fn=_die_with_parent(),
+                env=self._child_env(), start_new_session=True, preexec_fn=die_with_parent(),
             )  # fmt: skip
         logger.debug("started Chromium pid %s, CDP on %s", self._chromium.pid, self.cdp_url)
         deadline = time.monotonic() + CHROMIUM_STARTUP_TIMEOUT_S
@@ -515,7 +426,7 @@ class LocalEnvironment:
         with self.server_log.open("wb") as log:
             self._server = subprocess.Popen(
                 command, cwd=server_dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_die_with_parent(),
+                env=env, start_new_session=True, preexec_fn=die_with_parent(),
             )  # fmt: skip
         logger.debug("started interactive_browser pid %s on %s (log %s)", self._server.pid, self.url, self.server_log)
 
@@ -580,10 +491,10 @@ class LocalEnvironment:
         owned = self._owned_processes()
         for popen, name in ((self._server, "interactive_browser server"), (self._chromium, "Chromium")):
             if popen is not None:
-                _stop_process_group(popen, name, STOP_GRACE_S)
-        survivors = [p for p in owned + self._owned_processes() if _is_alive(p)]
+                stop_process_group(popen, name, STOP_GRACE_S)
+        survivors = [p for p in owned + self._owned_processes() if is_alive(p)]
         for proc in survivors:
-            logger.warning("killing leftover process %s (%s)", proc.pid, _cmdline(proc.pid)[:120])
+            logger.warning("killing leftover process %s (%s)", proc.pid, cmdline(proc.pid)[:120])
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(proc.pid, signal.SIGKILL)
         self._server = self._chromium = None
@@ -592,7 +503,7 @@ class LocalEnvironment:
             self.workdir = None
         _LIVE.discard(self)
 
-    def _owned_processes(self) -> list[_Proc]:
+    def _owned_processes(self) -> list[Proc]:
         procs = all_processes()
         roots = {p.pid for p in (self._server, self._chromium) if p is not None}
         owned = {p.pid: p for p in descendants(roots, procs)}
@@ -601,9 +512,9 @@ class LocalEnvironment:
             me = os.getpid()
             for proc in procs:
                 # Only browser-side programs: a shell that merely tails our log is not ours to kill.
-                if proc.pid == me or proc.pid in roots or _executable_name(proc.pid) not in SWEPT_NAMES:
+                if proc.pid == me or proc.pid in roots or executable_name(proc.pid) not in SWEPT_NAMES:
                     continue
-                if marker in _cmdline(proc.pid):
+                if marker in cmdline(proc.pid):
                     owned[proc.pid] = proc
         return list(owned.values())
 
@@ -614,13 +525,13 @@ class LocalEnvironment:
             raise RuntimeError("the environment is not running")
         assert self._server is not None
         server_tree = descendants({self._server.pid}, all_processes())
-        commands = [_cmdline(p.pid) for p in server_tree]
+        commands = [cmdline(p.pid) for p in server_tree]
         drivers = sum(1 for c in commands if "playwright" in c and "run-driver" in c)
         # A browser's main process runs the Chromium binary without a --type= (renderer, gpu, zygote, ...) switch.
         browsers = sum(
             1
             for p, c in zip(server_tree, commands, strict=True)
-            if _executable_name(p.pid) in CHROMIUM_NAMES and "--type=" not in c
+            if executable_name(p.pid) in CHROMIUM_NAMES and "--type=" not in c
         )
         contexts = pages = None
         if self.cdp_url is not None:

@@ -387,7 +387,7 @@ class _MemorySampler:
         self._thread.start()
 
     def _run(self) -> None:
-        from ..launch_environment import all_processes, descendants
+        from ..processes import all_processes, descendants
 
         while not self._stop.wait(self._INTERVAL_S):
             pids = [self.root_pid, *(p.pid for p in descendants({self.root_pid}, all_processes()))]

@@ -55,6 +55,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
 from .rows import validate_verifier_metadata as validate_verifier_metadata
+from .settings import EnvironmentConfig
+from .text import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ _OBSERVE_FAILED_PREFIX = "observe failed:"
 _VERIFY_SESSION_NOT_FOUND = "session not found"
 # Longest pause between two tries of a close answered 5xx (they go on for close_timeout_s in all).
 _CLOSE_BACKOFF_CAP_S = 2.0
-PLACEMENT_MODES = ("auto", "process", "ray")
+# A server's answer quoted in a failure reason: enough to act on, short enough for a log line.
+_DETAIL_CHARS = 300
 
 
 class FailureKind(str, enum.Enum):
@@ -121,59 +124,6 @@ class VerifyResult:
 
     reward: float
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
-
-
-@dataclass(frozen=True)
-class EnvironmentConfig:
-    """Where the environment servers are and how long each kind of call may take (seconds)."""
-
-    server_urls: tuple[str, ...]
-    call_timeout_s: float = 60.0  # one browser action (page loads included)
-    seed_timeout_s: float = 120.0  # the start page must load within this
-    verify_timeout_s: float = 60.0
-    close_timeout_s: float = 15.0
-    connect_timeout_s: float = 10.0
-    transient_retries: int = 2
-    retry_backoff_s: float = 0.25
-    # Below uvicorn's 30 s keep-alive, so the client never reuses a connection the server is closing.
-    keepalive_timeout_s: float = 10.0
-    max_sessions_per_server: int = 64  # per server, counted across every process of the run (see placement)
-    server_cooldown_s: float = 10.0  # how long a server that stopped answering stays out of rotation
-    taskset: str = "nemo_gym_browser"
-    # Who counts sessions per server: "ray" one authority for the whole run, "process" this process only, "auto"
-    # Ray whenever this process is connected to it (verl's workers are; smoke_environment.py and tests are not).
-    placement: str = "auto"
-    lease_ttl_s: float = 60.0  # a process silent this long is taken for dead: its browsers are closed for it
-
-    def __post_init__(self) -> None:
-        urls = (self.server_urls,) if isinstance(self.server_urls, str) else tuple(self.server_urls)
-        if not urls:
-            raise ValueError("EnvironmentConfig needs at least one server URL")
-        object.__setattr__(self, "server_urls", tuple(u.rstrip("/") for u in urls))
-        for name in ("call_timeout_s", "seed_timeout_s", "verify_timeout_s", "close_timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_sessions_per_server < 1:
-            raise ValueError("max_sessions_per_server must be at least 1")
-        if self.placement not in PLACEMENT_MODES:
-            raise ValueError(f"placement must be one of {PLACEMENT_MODES}, got {self.placement!r}")
-        if self.lease_ttl_s <= 0:
-            raise ValueError(f"lease_ttl_s must be positive, got {self.lease_ttl_s}")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> EnvironmentConfig:
-        """Build from a config mapping (hydra kwargs), rejecting keys this class does not know."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown environment config keys {unknown}; known: {sorted(known)}")
-        values = dict(values)
-        urls = values.get("server_urls")
-        if isinstance(urls, str):
-            values["server_urls"] = tuple(u.strip() for u in urls.split(",") if u.strip())
-        elif urls is not None:
-            values["server_urls"] = tuple(urls)
-        return cls(**values)
 
 
 # ----- wire bodies (pydantic: everything that crosses HTTP) ---------------------------------------------------
@@ -245,9 +195,8 @@ def _browser_gone(error: str) -> bool:
     return any(marker in lowered for marker in _BROWSER_GONE_MARKERS)
 
 
-def _brief(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _brief(text: object) -> str:
+    return shorten(str(text), _DETAIL_CHARS, one_line=True)
 
 
 # ----- servers ------------------------------------------------------------------------------------------------
@@ -425,7 +374,6 @@ class BrowserSession:
         self.taskset = taskset
         self.initial_url = initial_url
         self.verifier_metadata = verifier_metadata
-        self.events: list[str] = []
         self.closed = False
         self._http: aiohttp.ClientSession | None = None
         self._jar = aiohttp.CookieJar(unsafe=True)  # unsafe=True keeps cookies of IP-address hosts
@@ -510,7 +458,6 @@ class BrowserSession:
 
     async def seed(self) -> None:
         """Open the browser at the task's start URL. Any failure here is ``seed_failed`` (or ``unreachable``)."""
-        self.events.append("seed")
         task_data: dict[str, Any] = {}
         if self.initial_url:
             task_data["initial_url"] = self.initial_url
@@ -548,7 +495,6 @@ class BrowserSession:
         if self.closed:
             return
         self.closed = True
-        self.events.append("close")
         body = _CloseRequest(resources_session_id=self.session_id, episode_id=self._episode).model_dump()
         try:
             # Closing is idempotent, so a 5xx is retried too, for up to close_timeout_s in all: the server has no
@@ -606,7 +552,6 @@ class BrowserSession:
             raise ValueError(f"unknown browser tool {tool!r}; expected one of {TOOL_NAMES}")
         if self.closed:
             raise self._failure(FailureKind.SESSION_LOST, f"{tool} called after the session was closed")
-        self.events.append(tool.removeprefix("browser_"))
         status, payload = await self._post(
             f"/{tool}",
             dict(arguments or {}),
@@ -652,7 +597,6 @@ class BrowserSession:
         """
         if not self.verifier_metadata:
             raise ValueError("this task has no verifier_metadata: score it with the judge, not /verify")
-        self.events.append("verify")
         status, payload = await self._post(
             "/verify",
             _verify_body(self._episode.rollout_id),

@@ -56,11 +56,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any, ClassVar
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .settings import JudgeConfig, JudgeConfigError
+from .text import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -82,89 +84,6 @@ _STEP_CAP = 400
 _REASON_CAP = 300
 # Status codes a repeat cannot fix (bad request, auth, unknown model, prompt too long).
 _NOT_RETRYABLE = frozenset({400, 401, 403, 404, 413, 422})
-_MIN_BUDGET = 4000
-
-
-class JudgeConfigError(ValueError):
-    """The judge is misconfigured (a typo, a bad value, a missing API-key variable). Raised, never retried."""
-
-
-@dataclass(frozen=True)
-class JudgeConfig:
-    """How to reach the judge and how hard to try. Loaded from ``configs/judge.yaml`` (key ``judge``)."""
-
-    base_url: str  # OpenAI-compatible root, e.g. http://127.0.0.1:8001/v1 (requests go to {base_url}/chat/completions)
-    model: str
-    api_key_env: str | None = None  # NAME of the environment variable holding the key; None/"" sends no key
-    temperature: float = 0.0
-    max_tokens: int = 1024  # room for a short justification (and a reasoning model's thinking)
-    timeout_s: float = 60.0  # per request, connect to last byte
-    connect_timeout_s: float = 10.0
-    max_attempts: int = 3  # requests per judge() call, first one included
-    backoff_s: float = 1.0  # delay before the second attempt; doubles per attempt
-    backoff_max_s: float = 30.0  # cap for the backoff and for a server's Retry-After
-    max_concurrency: int = 16  # simultaneous requests per BinaryJudge (i.e. per worker process)
-    evidence_budget_chars: int = 16000  # all evidence text in the prompt together
-    max_trajectory_steps: int = 8
-    cache_size: int = 4096  # usable verdicts kept (LRU by count); 0 disables the cache
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not self.base_url.startswith(("http://", "https://")):
-            problems.append("base_url must start with http:// or https://")
-        if not self.model:
-            problems.append("model must be set")
-        if self.temperature < 0:
-            problems.append("temperature must be >= 0")
-        for name in ("max_tokens", "max_attempts", "max_concurrency", "max_trajectory_steps"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
-        for name in ("timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be > 0")
-        for name in ("backoff_s", "backoff_max_s", "cache_size"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0")
-        if self.evidence_budget_chars < _MIN_BUDGET:
-            problems.append(f"evidence_budget_chars must be >= {_MIN_BUDGET}")
-        if problems:
-            raise JudgeConfigError("invalid judge config: " + "; ".join(problems))
-
-    @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> JudgeConfig:
-        """Build from a plain mapping (a YAML block, an OmegaConf ``DictConfig``); unknown keys raise."""
-        values = dict(mapping)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise JudgeConfigError(f"unknown judge config key(s) {unknown}; known: {sorted(known)}")
-        missing = sorted(name for name in ("base_url", "model") if not values.get(name))
-        if missing:
-            raise JudgeConfigError(f"judge config is missing {missing}")
-        # Values may arrive as strings (environment, command line): convert by the declared type.
-        converters = {"int": int, "float": float, "str": str, "str | None": lambda v: None if v in ("", "null") else v}
-        typed = {}
-        for f in fields(cls):
-            if f.name in values:
-                value = values[f.name]
-                try:
-                    typed[f.name] = None if value is None else converters[str(f.type)](value)
-                except (TypeError, ValueError) as exc:
-                    raise JudgeConfigError(f"judge config {f.name}={value!r} is not a valid {f.type}") from exc
-        return cls(**typed)
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> JudgeConfig:
-        """Read the ``judge`` block of a YAML file (or the whole file if it has none), then apply ``overrides``."""
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, Mapping):
-            raise JudgeConfigError(f"{path}: expected a mapping at the top level")
-        block = data.get("judge", data)
-        if not isinstance(block, Mapping):
-            raise JudgeConfigError(f"{path}: 'judge' must be a mapping")
-        return cls.from_mapping({**block, **(overrides or {})})
 
 
 @dataclass(frozen=True)
@@ -223,9 +142,6 @@ class JudgeStats:
     inflight_joins: int = 0
     usable_verdicts: int = 0
     unusable_verdicts: int = 0
-
-    def as_metrics(self) -> dict[str, float]:
-        return {f"judge/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
 
 # --- wire models (OpenAI chat-completions, as served by vLLM and hosted APIs) ---------------------------------
@@ -405,8 +321,7 @@ def render_messages(evidence: JudgeEvidence, config: JudgeConfig) -> list[dict[s
 
 
 def _excerpt(text: str, limit: int = 80) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return shorten(text, limit, one_line=True)
 
 
 def parse_verdict_text(content: str | None) -> tuple[bool | None, str]:
@@ -728,8 +643,6 @@ __all__ = [
     "SUCCESS_TOKEN",
     "SYSTEM_PROMPT",
     "BinaryJudge",
-    "JudgeConfig",
-    "JudgeConfigError",
     "JudgeEvidence",
     "JudgeStats",
     "Verdict",

@@ -201,7 +201,7 @@ def _agent_loop_entry(ctx: Context) -> dict[str, Any]:
 
 def _resolve_settings(ctx: Context, entry: dict[str, Any]) -> Any:
     """The loop's settings as every AgentLoopWorker builds them: YAML kwargs, the trainer config's section on top."""
-    from nemo_gym_browser.browser_agent_loop import resolve_settings
+    from nemo_gym_browser.settings import resolve_settings
 
     kwargs = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
     try:
@@ -256,8 +256,8 @@ def _load_rows(ctx: Context, dataset_cls: Any, files: Any, tokenizer: Any) -> An
 def row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
     """What the checks need of one dataset sample; CheckFailed, at the row's location, when the agent loop could not
     read its episode or its ``verifier_metadata`` breaks the one rule (a custom dataset class may not apply it)."""
-    from nemo_gym_browser.browser_agent_loop import EpisodeSpec
     from nemo_gym_browser.dataset import row_tool_names
+    from nemo_gym_browser.episode import EpisodeSpec
     from nemo_gym_browser.rows import VerifierMetadataError, validate_verifier_metadata
 
     extra_info = sample.get("extra_info")

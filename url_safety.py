@@ -11,8 +11,8 @@ What this module owns
       multicast, reserved; ``localhost`` and ``*.localhost`` by name.
 
     Honoured: the origin of the task's start URL (a local test site may live on 127.0.0.1) and an explicit
-    allow-list from config (host names, ``*.suffix`` wildcards, ``host:port``, ``scheme://host[:port]``, CIDR
-    networks).
+    allow-list from config (:class:`~nemo_gym_browser.settings.UrlPolicy`: host names, ``*.suffix`` wildcards,
+    ``host:port``, ``scheme://host[:port]``, CIDR networks).
 
 How a host is read
     The way Chromium reads it (WHATWG URL standard), not the way :mod:`urllib` does, because the browser is the
@@ -39,7 +39,11 @@ import socket
 import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, unquote_to_bytes
+
+if TYPE_CHECKING:
+    from .settings import UrlPolicy
 
 from .text import shorten
 
@@ -58,24 +62,6 @@ _C0_OR_SPACE = "".join(chr(c) for c in range(0x21))
 
 class UrlRefused(ValueError):
     """The URL may not be opened; ``str(exc)`` is the reason, written for the model to read."""
-
-
-@dataclass(frozen=True)
-class UrlPolicy:
-    """What the operator allows beyond public web pages. From the agent loop's ``url_policy`` config block."""
-
-    allow_private_networks: bool = False  # true: only the scheme rule applies (a fully trusted, isolated setup)
-    allowlist: tuple[str, ...] = ()
-    resolve_hostnames: bool = True  # false: names are not resolved here (only literal addresses are checked)
-    dns_timeout_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        entries = (self.allowlist,) if isinstance(self.allowlist, str) else tuple(self.allowlist)
-        object.__setattr__(self, "allowlist", entries)
-        if self.dns_timeout_s <= 0:
-            raise ValueError("url_policy.dns_timeout_s must be positive")
-        for entry in entries:
-            _AllowRule.parse(entry)  # a typo in the allow-list raises at start-up, not at the first navigation
 
 
 @dataclass(frozen=True)
@@ -296,6 +282,11 @@ class _AllowRule:
 
     def covers_address(self, address: IPAddress) -> bool:
         return self.network is not None and address in self.network
+
+
+def validate_allow_entry(entry: str) -> None:
+    """Raise ``ValueError`` (naming the entry) when ``entry`` is not a valid ``url_policy.allowlist`` entry."""
+    _AllowRule.parse(entry)
 
 
 async def system_resolver(host: str, port: int) -> list[str]:

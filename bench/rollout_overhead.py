@@ -53,7 +53,8 @@ from omegaconf import OmegaConf
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import ToolResponse
 
-from nemo_gym_browser.browser_agent_loop import close_shared_clients, default_tool_schema
+from nemo_gym_browser.browser_agent_loop import close_shared_clients
+from nemo_gym_browser.browser_tool import default_tool_schema
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import (
     agent_loop_entry,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ..browser_agent_loop import STEP_HISTORY_HEADER
+from ..stepwise import STEP_HISTORY_HEADER
 from . import scripted_policy as sp
 
 _HISTORY = re.compile(re.escape(STEP_HISTORY_HEADER).replace(re.escape("{steps}"), r"(\d+)"))

@@ -16,7 +16,7 @@ import time
 import pytest
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
-from nemo_gym_browser.browser_agent_loop import DROP_INVALID_ENV, BrowserLoopSettings
+from nemo_gym_browser.settings import DROP_INVALID_ENV, BrowserLoopSettings
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
 from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer

@@ -14,16 +14,9 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.tool_parser import HermesToolParser
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
-from nemo_gym_browser.browser_agent_loop import (
-    AGENT_LOOP_NAME,
-    BrowserTool,
-    BrowserToolAgentLoop,
-    EpisodeSpec,
-    LenientHermesToolParser,
-    default_tool_schema,
-    parse_tool_call,
-    running_under_v1_trainer,
-)
+from nemo_gym_browser.browser_agent_loop import BrowserToolAgentLoop, running_under_v1_trainer
+from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema, parse_tool_call
+from nemo_gym_browser.episode import EpisodeSpec
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import (
     AGENT_LOOP_YAML,
@@ -32,6 +25,7 @@ from nemo_gym_browser.testing.agent_loop_harness import (
     load_tools,
     make_row,
 )
+from nemo_gym_browser.tool_parser import LenientHermesToolParser
 
 URLS = {"server_urls": ["http://127.0.0.1:1"]}  # never contacted: these tests only build loops
 
@@ -134,12 +128,12 @@ def test_keeping_verls_observation_cut_is_warned_about(tokenizer, tools, caplog,
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"episode_deadline": 5}, "unknown nemo_gym_browser agent-loop settings"),
+        ({"episode_deadline": 5}, r"nemo_gym_browser\.episode_deadline: unknown key; allowed here: environment, "),
         ({"environment": {"server_urls": None}}, "no environment server"),
-        ({"environment": {**URLS, "call_timeout": 3}}, "unknown environment config keys"),
-        ({"url_policy": {"allow_private": True}}, "unknown url_policy keys"),
-        ({"max_attempts": 0}, "max_attempts must be at least 1"),
-        ({"judge": {"base_url": "http://127.0.0.1:1/v1"}}, "missing"),
+        ({"environment": {**URLS, "call_timeout": 3}}, r"nemo_gym_browser\.environment\.call_timeout: unknown key"),
+        ({"url_policy": {"allow_private": True}}, r"url_policy\.allow_private: unknown key.*allow_private_networks"),
+        ({"max_attempts": 0}, r"nemo_gym_browser\.max_attempts: Input should be greater than or equal to 1"),
+        ({"judge": {"base_url": "http://127.0.0.1:1/v1"}}, r"nemo_gym_browser\.judge\.model: missing"),
     ],
 )
 def test_a_wrong_setting_raises_when_the_loop_is_built(tokenizer, tools, settings, message):

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from nemo_gym_browser import browser_agent_loop
-from nemo_gym_browser.judge import BinaryJudge, JudgeConfig
+from nemo_gym_browser.judge import BinaryJudge
+from nemo_gym_browser.settings import JudgeConfig
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row

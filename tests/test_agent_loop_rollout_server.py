@@ -19,7 +19,7 @@ import ray
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 from verl.workers.rollout.router import get_router_handle
 
-from nemo_gym_browser.browser_agent_loop import generate_within, track_rollout_requests
+from nemo_gym_browser.rollout_cancel import generate_within, track_rollout_requests
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 from nemo_gym_browser.testing.private_ray import private_ray

@@ -11,8 +11,9 @@ import pytest
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
-from nemo_gym_browser.browser_agent_loop import LEGACY_STEPWISE_MESSAGE, STEP_HISTORY_HEADER, BrowserLoopSettings
 from nemo_gym_browser.episode_metrics import episode_metrics
+from nemo_gym_browser.settings import BrowserLoopSettings
+from nemo_gym_browser.stepwise import LEGACY_STEPWISE_MESSAGE, STEP_HISTORY_HEADER
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing import stepwise_policy as swp
@@ -200,7 +201,9 @@ def test_stepwise_settings_are_read_from_the_loop_config_and_checked():
     assert BrowserLoopSettings.from_mapping(base).stepwise.enabled is False
     settings = BrowserLoopSettings.from_mapping({**base, "stepwise": {"enabled": True, "history_observations": 2}})
     assert settings.stepwise.enabled and settings.stepwise.history_observations == 2
-    with pytest.raises(ValueError, match="unknown stepwise keys"):
+    with pytest.raises(
+        ValueError, match=r"stepwise\.history: unknown key; allowed here: enabled, history_observations"
+    ):
         BrowserLoopSettings.from_mapping({**base, "stepwise": {"history": 2}})
     with pytest.raises(ValueError, match="history_observations"):
         BrowserLoopSettings.from_mapping({**base, "stepwise": {"history_observations": 0}})

@@ -10,7 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from nemo_gym_browser.judge import BinaryJudge, JudgeConfig
+from nemo_gym_browser.judge import BinaryJudge
+from nemo_gym_browser.settings import JudgeConfig
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import CONFIG_DIR, build_loop, compose_trainer_config, make_row

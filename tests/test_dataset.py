@@ -305,7 +305,7 @@ def test_the_same_task_in_two_files_is_refused(tmp_path):
 
 
 def test_the_agent_loop_reads_the_episode_this_dataset_writes(prepared):
-    from nemo_gym_browser.browser_agent_loop import EpisodeSpec
+    from nemo_gym_browser.episode import EpisodeSpec
 
     dataset = BrowserJSONLDataset([str(prepared / "val.jsonl")])
     column = collate_fn([dataset[i] for i in range(3)])["tools_kwargs"]

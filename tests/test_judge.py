@@ -7,7 +7,6 @@ import logging
 import re
 import socket
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,12 @@ from nemo_gym_browser.judge import (
     FAILURE_TOKEN,
     SUCCESS_TOKEN,
     BinaryJudge,
-    JudgeConfig,
-    JudgeConfigError,
     JudgeEvidence,
     Verdict,
     parse_verdict_text,
     render_messages,
 )
+from nemo_gym_browser.settings import JudgeConfig, JudgeConfigError
 from nemo_gym_browser.testing.fake_judge import (
     Behaviour,
     FakeJudgeServer,
@@ -462,7 +460,7 @@ async def test_the_api_key_is_sent_but_never_appears_in_logs_errors_or_reprs(
         config = JudgeConfig.from_mapping(
             {"base_url": server.base_url, "model": server.model, "api_key_env": "FAKE_JUDGE_KEY", **FAST}
         )
-        judge = BinaryJudge.from_config(replace(config, max_attempts=1))
+        judge = BinaryJudge.from_config(config.model_copy(update={"max_attempts": 1}))
         behaviours = [verdict(True), *(echo_headers_error(pad) for pad in range(0, 48, 6)), hang(), disconnect()]
         server.script(*behaviours)
         for i in range(len(behaviours)):

@@ -189,7 +189,7 @@ def test_the_default_fault_spec_is_todays_verify_503_per_session_and_browser_cal
 def test_a_shorter_call_timeout_reaches_the_loops_settings_and_none_keeps_the_recipes(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from nemo_gym_browser.browser_agent_loop import resolve_settings
+    from nemo_gym_browser.settings import resolve_settings
     from nemo_gym_browser.testing.agent_loop_harness import agent_loop_entry
 
     loop_kwargs = OmegaConf.to_container(agent_loop_entry())

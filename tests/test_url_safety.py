@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from nemo_gym_browser.url_safety import UrlGuard, UrlPolicy, UrlRefused, is_public_address, parse_web_url
+from nemo_gym_browser.settings import UrlPolicy
+from nemo_gym_browser.url_safety import UrlGuard, UrlRefused, is_public_address, parse_web_url
 
 PUBLIC = "93.184.216.34"
 DNS = {

@@ -1,0 +1,523 @@
+"""Every setting an operator tunes, in one place: typed models whose fields carry their default and description.
+
+What this module owns
+    * The ``nemo_gym_browser`` settings tree: :class:`BrowserLoopSettings` (the agent loop) and its sections
+      :class:`EnvironmentConfig` (``environment``), :class:`UrlPolicy` (``url_policy``), :class:`StepwiseSettings`
+      (``stepwise``) and :class:`JudgeConfig` (``judge``, also loaded alone from ``configs/judge.yaml``).
+    * How the loop's settings are resolved (:func:`resolve_settings`): the agent-loop YAML kwargs
+      (``configs/agent_loop.yaml``), overridden key by key by the trainer config section ``nemo_gym_browser``
+      (e.g. ``+nemo_gym_browser.environment.server_urls=[...]``), parsed once per distinct configuration per process.
+    * The drop switch (:func:`drop_invalid_enabled`): the ``drop_invalid`` setting, else
+      ``NEMO_GYM_BROWSER_DROP_INVALID``.
+    * The configuration reference (``docs/configuration.md``), generated from the models:
+      ``python -m nemo_gym_browser.settings --reference``.
+
+Errors
+    A wrong setting raises :class:`SettingsError` (a ``ValueError``; :class:`JudgeConfigError` for the judge) when
+    the settings are built, naming every wrong key by its full path and, for an unknown key, the keys allowed there.
+    Models are frozen (hashable): process-wide clients and judges are keyed on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticUndefined
+
+from .url_safety import validate_allow_entry
+
+# The trainer-config section whose keys override the agent-loop YAML kwargs.
+TRAINER_CONFIG_SECTION = "nemo_gym_browser"
+DROP_INVALID_ENV = "NEMO_GYM_BROWSER_DROP_INVALID"
+RECIPE_DIR = Path(__file__).resolve().parent
+REFERENCE_PATH = RECIPE_DIR / "docs" / "configuration.md"
+# Below this much evidence the judge's prompt cannot hold a page and an answer side by side.
+MIN_EVIDENCE_BUDGET_CHARS = 4000
+
+
+class SettingsError(ValueError):
+    """A setting is wrong (unknown key, bad value, missing). Raised when the settings are built, never retried."""
+
+
+class JudgeConfigError(SettingsError):
+    """The judge is misconfigured (a typo, a bad value, a missing API-key variable)."""
+
+
+class Settings(BaseModel):
+    """A frozen settings model: unknown keys raise, every field has a description.
+
+    Build from configuration with :meth:`from_mapping` (errors name each key by its full path); keyword
+    construction raises pydantic's ``ValidationError`` (also a ``ValueError``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    section: ClassVar[str]  # the key path of this model under the trainer config, e.g. nemo_gym_browser.stepwise
+    error_type: ClassVar[type[SettingsError]] = SettingsError
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Any:
+        """Build from a plain mapping (a YAML block, a hydra ``DictConfig``); wrong keys raise :attr:`error_type`."""
+        values = plain_config(values)
+        if not isinstance(values, Mapping):
+            raise cls.error_type(f"{cls.section}: expected a mapping of settings, got {type(values).__name__}")
+        try:
+            return cls.model_validate(dict(values))
+        except ValidationError as exc:
+            raise cls.error_type(explain(exc, cls)) from None
+
+
+def explain(exc: ValidationError, model: type[Settings]) -> str:
+    """One line per wrong key, each named by its full path (``nemo_gym_browser.environment.call_timeout``)."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = tuple(str(part) for part in error["loc"])
+        key = ".".join((model.section, *loc))
+        if error["type"] == "extra_forbidden":
+            owner = _model_at(model, loc[:-1])
+            allowed = ", ".join(owner.model_fields) if owner is not None else "none"
+            lines.append(f"{key}: unknown key; allowed here: {allowed}")
+        elif error["type"] == "missing":
+            lines.append(f"{key}: missing (required)")
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            value = error.get("input")
+            got = f" (got {value!r})" if isinstance(value, str | int | float | bool) or value is None else ""
+            lines.append(f"{key}: {message}{got}")
+    return "invalid settings:\n  " + "\n  ".join(lines) if len(lines) > 1 else lines[0]
+
+
+def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
+    for part in path:
+        field = model.model_fields.get(part)
+        nested = _settings_model(field.annotation) if field is not None else None
+        if nested is None:
+            return None
+        model = nested
+    return model
+
+
+def _settings_model(annotation: Any) -> type[Settings] | None:
+    """The settings model an annotation holds (``JudgeConfig | None`` -> ``JudgeConfig``), if any."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, Settings):
+            return candidate
+    return None
+
+
+def plain_config(value: Any) -> Any:
+    """``value`` with OmegaConf containers (hydra configs) turned into plain dicts and lists."""
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+# ----- the sections -------------------------------------------------------------------------------------------
+
+
+class EnvironmentConfig(Settings):
+    """Where the NeMo Gym environment servers are and how long each kind of call may take (seconds)."""
+
+    section: ClassVar[str] = f"{TRAINER_CONFIG_SECTION}.environment"
+
+    server_urls: tuple[str, ...] = Field(
+        description="One or more NeMo Gym interactive_browser servers: a list or a comma-separated string."
+    )
+    call_timeout_s: float = Field(
+        120.0, gt=0, description="One browser action, page load included; a call past it is an infrastructure failure."
+    )
+    seed_timeout_s: float = Field(120.0, gt=0, description="Opening the browser on the task's start page.")
+    verify_timeout_s: float = Field(60.0, gt=0, description="Grading the episode (/verify).")
+    close_timeout_s: float = Field(15.0, gt=0, description="Closing the session (retried on 5xx within this).")
+    connect_timeout_s: float = Field(10.0, gt=0, description="Opening a TCP connection to a server.")
+    transient_retries: int = Field(
+        2, description="Retries of an idempotent call after a transport error that came before any answer."
+    )
+    retry_backoff_s: float = Field(0.25, description="Wait before such a retry.")
+    keepalive_timeout_s: float = Field(
+        10.0, description="Idle pooled connections are closed after this (below uvicorn's 30 s keep-alive)."
+    )
+    max_sessions_per_server: int = Field(
+        64, ge=1, description="Concurrent browsers per server (each a Chromium process tree), across the whole run."
+    )
+    server_cooldown_s: float = Field(
+        10.0, description="How long a server that stopped answering stays out of rotation."
+    )
+    taskset: str = Field("nemo_gym_browser", description="The taskset a row without one is seeded with.")
+    placement: Literal["auto", "process", "ray"] = Field(
+        "auto",
+        description="Who counts sessions per server: ray (one count for the whole run), process (this process only), "
+        "auto (ray when the process is connected to Ray).",
+    )
+    lease_ttl_s: float = Field(
+        60.0, gt=0, description="A process silent this long is taken for dead: its browsers are closed for it."
+    )
+
+    @field_validator("server_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            value = value.split(",")
+        urls = tuple(str(url).strip().rstrip("/") for url in value or () if str(url).strip())
+        if not urls:
+            raise ValueError("at least one server URL is required")
+        return urls
+
+
+class UrlPolicy(Settings):
+    """Which URLs the policy may open beyond public web pages (the task's start page is always allowed)."""
+
+    section: ClassVar[str] = f"{TRAINER_CONFIG_SECTION}.url_policy"
+
+    allow_private_networks: bool = Field(
+        False, description="true: only the scheme rule applies (a fully trusted, isolated setup)."
+    )
+    allowlist: tuple[str, ...] = Field(
+        (),
+        description='Also allowed: host names, "*.suffix" wildcards, host:port, scheme://host[:port], CIDR networks.',
+    )
+    resolve_hostnames: bool = Field(
+        True,
+        description="Resolve host names here and refuse those with a non-public address; false: only literal "
+        "addresses are checked.",
+    )
+    dns_timeout_s: float = Field(5.0, gt=0, description="Time allowed for resolving one host name.")
+
+    @field_validator("allowlist", mode="before")
+    @classmethod
+    def _entries(cls, value: Any) -> tuple[str, ...]:
+        entries = (value,) if isinstance(value, str) else tuple(value or ())
+        for entry in entries:
+            validate_allow_entry(entry)  # a typo raises at start-up, not at the first navigation
+        return entries
+
+
+class StepwiseSettings(Settings):
+    """Step-wise samples, one per policy step over a bounded prompt (V1 trainer only); off by default."""
+
+    section: ClassVar[str] = f"{TRAINER_CONFIG_SECTION}.stepwise"
+
+    enabled: bool = Field(False, description="One sample per policy step instead of one per episode.")
+    history_observations: int = Field(
+        1, ge=1, description="Latest steps shown whole (the model's turn and the observation it read)."
+    )
+    history_steps: int = Field(
+        10, ge=0, description="Earlier steps shown as one line each (action, arguments, result, page), newest kept."
+    )
+
+
+class JudgeConfig(Settings):
+    """The binary LLM judge for tasks without verifier_metadata: any OpenAI-compatible chat-completions endpoint."""
+
+    section: ClassVar[str] = f"{TRAINER_CONFIG_SECTION}.judge"
+    error_type: ClassVar[type[SettingsError]] = JudgeConfigError
+
+    base_url: str = Field(
+        description="OpenAI-compatible root, e.g. http://127.0.0.1:8001/v1 (requests go to "
+        "{base_url}/chat/completions)."
+    )
+    model: str = Field(min_length=1, description="The model name the endpoint serves (vLLM: --served-model-name).")
+    api_key_env: str | None = Field(
+        None, description="NAME of the environment variable holding the API key; null sends no key."
+    )
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of the judge.")
+    max_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Room for a short justification and the verdict line (and a reasoning model's thinking).",
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Per request, connect to last byte.")
+    connect_timeout_s: float = Field(10.0, gt=0, description="Opening a connection to the endpoint.")
+    max_attempts: int = Field(
+        3, ge=1, description="Requests per verdict, the first one included; then the verdict is unusable."
+    )
+    backoff_s: float = Field(
+        1.0, ge=0, description="Wait before the second attempt, doubling after (jittered); a 429 waits for Retry-After."
+    )
+    backoff_max_s: float = Field(30.0, ge=0, description="Cap for the backoff and for a server's Retry-After.")
+    max_concurrency: int = Field(16, ge=1, description="Simultaneous judge requests per worker process.")
+    evidence_budget_chars: int = Field(
+        16000,
+        ge=MIN_EVIDENCE_BUDGET_CHARS,
+        description="All evidence text in one prompt together; the page keeps its end.",
+    )
+    max_trajectory_steps: int = Field(8, ge=1, description="Last trajectory steps shown to the judge.")
+    cache_size: int = Field(4096, ge=0, description="Usable verdicts kept per worker (LRU by count); 0 disables.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value
+
+    @field_validator("api_key_env", mode="before")
+    @classmethod
+    def _no_key(cls, value: Any) -> Any:
+        return None if value in ("", "null") else value
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> JudgeConfig:
+        """Read the ``judge`` block of a YAML file (or the whole file if it has none), then apply ``overrides``."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, Mapping):
+            raise JudgeConfigError(f"{path}: expected a mapping at the top level")
+        block = data.get("judge", data)
+        if not isinstance(block, Mapping):
+            raise JudgeConfigError(f"{path}: 'judge' must be a mapping")
+        return cls.from_mapping({**block, **(overrides or {})})
+
+
+# ----- the agent loop -----------------------------------------------------------------------------------------
+
+
+class BrowserLoopSettings(Settings):
+    """Everything an operator tunes about browser episodes (agent-loop YAML kwargs + ``nemo_gym_browser`` section)."""
+
+    section: ClassVar[str] = TRAINER_CONFIG_SECTION
+
+    environment: EnvironmentConfig = Field(description="The environment servers and their timeouts.")
+    episode_deadline_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Environment time per attempt (time inside the model's generate not counted); reaching it ends "
+        "the episode, scored as it stands (deadline_hit, a policy outcome).",
+    )
+    session_hold_limit_s: float = Field(
+        3600.0,
+        description="Wall clock an attempt may hold its browser, generation included; past it the attempt is an "
+        "infrastructure timeout, resampled. At least episode_deadline_s + environment.call_timeout_s, and above the "
+        "longest time the trainer holds generation.",
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="An infrastructure failure re-runs the rollout in a new session, up to this many times."
+    )
+    resample_backoff_s: float = Field(
+        1.0, ge=0, description="Wait before the second attempt; doubles per further attempt (at most 30 s)."
+    )
+    drop_invalid: bool | None = Field(
+        None,
+        description=f"null: follow {DROP_INVALID_ENV}; true/false: override it. Drops rollouts still invalid after "
+        "their attempts (V1 trainer only).",
+    )
+    train_on_failures: bool = Field(
+        False,
+        description="true: a rollout failed by the infrastructure is trained on as a policy zero, as without this "
+        "recipe (comparison runs only).",
+    )
+    url_policy: UrlPolicy = Field(default_factory=UrlPolicy, description="Which URLs policy navigations may open.")
+    judge: JudgeConfig | None = Field(
+        None,
+        description="Scores tasks without verifier_metadata: a mapping of judge settings or the path of a YAML file "
+        "(configs/judge.yaml works from anywhere); null: no judge.",
+    )
+    lenient_tool_call_parsing: bool = Field(
+        True, description="A malformed `<tool_call>` becomes an error message the model reads, not a silent stop."
+    )
+    max_tool_response_length: int | None = Field(
+        8192,
+        description="Characters of a tool answer the model reads; overrides multi_turn.max_tool_response_length, "
+        "whose 256 would cut a browser observation (up to ~7000 characters) to its first lines. null: verl's value.",
+    )
+    trajectory_dir: str | None = Field(
+        None, description="A folder: one JSONL record per rollout (python -m nemo_gym_browser.trajectories); null: off."
+    )
+    call_timeout_grace_s: float = Field(
+        5.0, ge=0, description="Safety net above environment.call_timeout_s for a call the client failed to time out."
+    )
+    stepwise: StepwiseSettings = Field(default_factory=StepwiseSettings, description="Step-wise samples.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _needs_servers(cls, values: Any) -> Any:
+        environment = values.get("environment") if isinstance(values, Mapping) else None
+        if isinstance(environment, EnvironmentConfig):
+            return values
+        if isinstance(environment, Mapping) and environment.get("server_urls"):
+            return values
+        raise ValueError(
+            "no environment server: set environment.server_urls in the agent-loop config (configs/agent_loop.yaml) "
+            f"or +{TRAINER_CONFIG_SECTION}.environment.server_urls=[...] on the command line"
+        )
+
+    @field_validator("judge", mode="before")
+    @classmethod
+    def _judge_file(cls, value: Any) -> Any:
+        return JudgeConfig.from_yaml(_recipe_path(value)) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _hold_covers_deadline(self) -> BrowserLoopSettings:
+        # Environment time alone may legitimately reach the deadline plus one call in flight; a hold limit below
+        # that would turn a policy's deadline into an infrastructure timeout.
+        least_hold = self.episode_deadline_s + self.environment.call_timeout_s
+        if self.session_hold_limit_s < least_hold:
+            raise ValueError(
+                f"session_hold_limit_s={self.session_hold_limit_s:g} must be at least episode_deadline_s + "
+                f"environment.call_timeout_s = {least_hold:g} (and above the longest time the trainer holds generation)"
+            )
+        return self
+
+
+def _recipe_path(path: str) -> str:
+    """``path`` as given when it exists, else relative to the recipe folder (``configs/judge.yaml`` works anywhere)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = RECIPE_DIR / path
+    return str(candidate) if candidate.exists() else path
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@functools.lru_cache(maxsize=64)
+def _settings_from_json(text: str) -> BrowserLoopSettings:
+    return BrowserLoopSettings.from_mapping(json.loads(text))
+
+
+def resolve_settings(loop_kwargs: Mapping[str, Any], trainer_config: Any = None) -> BrowserLoopSettings:
+    """The loop's settings: YAML kwargs, then the trainer config's ``nemo_gym_browser`` section on top."""
+    merged = {key: plain_config(value) for key, value in loop_kwargs.items()}
+    section = trainer_config.get(TRAINER_CONFIG_SECTION) if trainer_config is not None else None
+    if section:
+        merged = _deep_merge(merged, plain_config(section))
+    # Parsed once per distinct configuration per process: a loop object is built for every sample.
+    return _settings_from_json(json.dumps(merged, sort_keys=True, default=str))
+
+
+def drop_invalid_enabled(setting: bool | None) -> bool:
+    """The drop switch: the ``drop_invalid`` setting when given, else ``NEMO_GYM_BROWSER_DROP_INVALID``."""
+    if setting is not None:
+        return bool(setting)
+    return os.environ.get(DROP_INVALID_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----- the configuration reference ----------------------------------------------------------------------------
+
+REFERENCE_HEADER = f"""# Configuration reference
+
+Generated from the settings models in `settings.py` by `python -m nemo_gym_browser.settings --reference
+--output docs/configuration.md`; a test fails when this file and the models disagree. Edit the models, not this file.
+
+Every key below is a setting of the agent loop `nemo_gym_browser_agent`. Set it in `configs/agent_loop.yaml` or
+override it key by key from the trainer command line, e.g. `+{TRAINER_CONFIG_SECTION}.environment.server_urls=[...]`
+(the trainer config travels to the Ray workers; shell variables may not). The judge's keys are also read alone from
+`configs/judge.yaml` (key `judge`). An unknown key or a bad value stops the run when the settings are built, naming
+the key. The drop switch also follows the environment variable `{DROP_INVALID_ENV}=1` when `drop_invalid` is
+null.
+"""
+
+
+def _type_name(annotation: Any) -> str:
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return " \\| ".join(f"`{value}`" for value in get_args(annotation))
+    if origin in (Union, types.UnionType):
+        return " \\| ".join(_type_name(arg) for arg in get_args(annotation))
+    if origin is tuple:
+        return f"list of {_type_name(get_args(annotation)[0])}"
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type) and issubclass(annotation, Settings):
+        return "mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds_text(field: Any) -> str:
+    """`` > 0``, `` >= 1`` ... from the field's numeric constraints."""
+    signs = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    bounds = [
+        f"{sign} {getattr(item, name)}"
+        for item in field.metadata
+        for name, sign in signs.items()
+        if getattr(item, name, None) is not None
+    ]
+    return "".join(f", {bound}" for bound in bounds)
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, Settings):
+        return "see below"
+    if value is PydanticUndefined:
+        return "required"
+    return f"`{json.dumps(list(value) if isinstance(value, tuple) else value)}`"
+
+
+def _section_table(model: type[Settings]) -> list[str]:
+    lines = [
+        f"## `{model.section}`",
+        "",
+        (model.__doc__ or "").strip().splitlines()[0].replace("``", "`"),
+        "",
+        "| key | type | default | description |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, field in model.model_fields.items():
+        description = (field.description or "").replace("|", "\\|")
+        kind = _type_name(field.annotation) + _bounds_text(field)
+        lines.append(f"| `{name}` | {kind} | {_default_text(field)} | {description} |")
+    return [*lines, ""]
+
+
+def configuration_reference() -> str:
+    """The Markdown text of ``docs/configuration.md``: one table per settings section."""
+    lines = [REFERENCE_HEADER]
+    for model in (BrowserLoopSettings, EnvironmentConfig, UrlPolicy, StepwiseSettings, JudgeConfig):
+        lines.extend(_section_table(model))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gym_browser.settings",
+        description="The recipe's settings. Examples:\n"
+        "  python -m nemo_gym_browser.settings --reference\n"
+        "  python -m nemo_gym_browser.settings --reference --output docs/configuration.md\n"
+        "  python -m nemo_gym_browser.settings --check",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--reference", action="store_true", help="print the configuration reference (Markdown)")
+    action.add_argument("--check", action="store_true", help=f"exit 1 when {REFERENCE_PATH.name} is out of date")
+    parser.add_argument("--output", type=Path, help="with --reference: write it to this file instead")
+    args = parser.parse_args(argv)
+    text = configuration_reference()
+    if args.check:
+        current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else ""
+        if current != text:
+            print(
+                f"{REFERENCE_PATH} is out of date: run python -m nemo_gym_browser.settings --reference --output "
+                f"{REFERENCE_PATH}",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    if args.output is not None:
+        args.output.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The settings models are the one place each knob's default lives: the shipped YAML and the reference agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from nemo_gym_browser import settings as st
+from nemo_gym_browser.settings import (
+    BrowserLoopSettings,
+    EnvironmentConfig,
+    JudgeConfig,
+    JudgeConfigError,
+    Settings,
+    StepwiseSettings,
+    UrlPolicy,
+)
+
+RECIPE = Path(st.__file__).resolve().parent
+MODELS = (BrowserLoopSettings, EnvironmentConfig, UrlPolicy, StepwiseSettings, JudgeConfig)
+
+
+def disagreements(model: type[Settings], values: dict[str, Any], where: str) -> list[str]:
+    """Keys of ``values`` whose value is not the model's default (required fields must be null or ``???``)."""
+    found = []
+    for key, value in values.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            found.append(f"{where}.{key}: not a setting")
+            continue
+        nested = st._settings_model(field.annotation)
+        if nested is not None and isinstance(value, dict):
+            found.extend(disagreements(nested, value, f"{where}.{key}"))
+        elif field.is_required():
+            if value not in (None, "???"):
+                found.append(f"{where}.{key}: required, so it has no default, but the file gives {value!r}")
+        else:
+            default = field.get_default(call_default_factory=True)
+            default = list(default) if isinstance(default, tuple) else default
+            if value != default or (type(value) is bool and not isinstance(default, bool)):
+                found.append(f"{where}.{key}: the file says {value!r}, the model's default is {default!r}")
+    return found
+
+
+def test_every_value_in_the_agent_loop_yaml_is_the_models_default():
+    (entry,) = yaml.safe_load((RECIPE / "configs" / "agent_loop.yaml").read_text())
+    values = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
+
+    assert disagreements(BrowserLoopSettings, values, "agent_loop.yaml") == []
+    assert "call_timeout_s" in values["environment"]  # the check does reach the nested sections
+
+
+def test_every_value_in_the_trainer_configs_section_is_the_models_default():
+    section = yaml.safe_load((RECIPE / "configs" / "webvoyager_grpo.yaml").read_text())["nemo_gym_browser"]
+
+    assert disagreements(BrowserLoopSettings, section, "webvoyager_grpo.yaml nemo_gym_browser") == []
+
+
+def test_every_value_in_the_judge_yaml_is_the_models_default_except_the_endpoint():
+    block = yaml.safe_load((RECIPE / "configs" / "judge.yaml").read_text())["judge"]
+    endpoint = {key: block.pop(key) for key in ("base_url", "model")}  # an example endpoint, required settings
+
+    assert disagreements(JudgeConfig, block, "judge.yaml") == []
+    assert JudgeConfig.from_mapping({**endpoint, **block}).model == endpoint["model"]
+
+
+def test_a_yaml_value_that_disagrees_with_the_model_is_reported():
+    assert disagreements(EnvironmentConfig, {"call_timeout_s": 60}, "x") == [
+        "x.call_timeout_s: the file says 60, the model's default is 120.0"
+    ]
+    assert disagreements(BrowserLoopSettings, {"stepwise": {"history_step": 3}}, "x") == [
+        "x.stepwise.history_step: not a setting"
+    ]
+
+
+def test_every_setting_has_a_description():
+    missing = [f"{m.section}.{name}" for m in MODELS for name, f in m.model_fields.items() if not f.description]
+    assert missing == []
+
+
+def test_the_configuration_reference_is_the_one_the_models_generate():
+    # Regenerate with: python -m nemo_gym_browser.settings --reference --output docs/configuration.md
+    assert (RECIPE / "docs" / "configuration.md").read_text(encoding="utf-8") == st.configuration_reference()
+
+
+def test_the_reference_has_a_row_for_every_setting_with_its_default():
+    text = st.configuration_reference()
+    for model in MODELS:
+        assert f"## `{model.section}`" in text
+        for name in model.model_fields:
+            assert f"| `{name}` |" in text, f"{model.section}.{name}"
+    assert "| `call_timeout_s` | float, > 0 | `120.0` |" in text
+    assert "| `server_urls` | list of str | required |" in text
+
+
+def test_the_reference_cli_writes_the_file_and_check_reports_a_stale_one(tmp_path, monkeypatch, capsys):
+    written = tmp_path / "configuration.md"
+    assert st.main(["--reference", "--output", str(written)]) == 0
+    assert written.read_text(encoding="utf-8") == st.configuration_reference()
+
+    monkeypatch.setattr(st, "REFERENCE_PATH", written)
+    assert st.main(["--check"]) == 0
+    written.write_text("stale\n", encoding="utf-8")
+    assert st.main(["--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+
+
+def test_a_typo_in_the_judge_yaml_names_the_key_and_the_keys_allowed_there(tmp_path):
+    path = tmp_path / "judge.yaml"
+    path.write_text("judge: {base_url: 'http://127.0.0.1:1/v1', model: m, max_atempts: 5}\n")
+
+    with pytest.raises(JudgeConfigError, match=r"judge\.max_atempts: unknown key; allowed here: base_url, model, "):
+        JudgeConfig.from_yaml(path)
+
+
+def test_several_wrong_keys_are_reported_together_each_by_its_path():
+    with pytest.raises(ValueError) as raised:
+        BrowserLoopSettings.from_mapping(
+            {
+                "environment": {"server_urls": "http://127.0.0.1:1", "call_timeout_s": 0},
+                "stepwise": {"history_steps": -1},
+            }
+        )
+    message = str(raised.value)
+    assert "nemo_gym_browser.environment.call_timeout_s: Input should be greater than 0 (got 0)" in message
+    assert "nemo_gym_browser.stepwise.history_steps: Input should be greater than or equal to 0 (got -1)" in message

@@ -299,6 +299,8 @@ def test_install_fails_loudly_naming_the_verl_version_when_verl_changed(monkeypa
         patches.install()
 
 
+# The loggers of the wiring: installing it (patches) and what the wrappers do (trainer_wrappers).
+LOGGERS = ("LOG nemo_gym_browser.patches ", "LOG nemo_gym_browser.trainer_wrappers ")
 LOG_ONCE_SCRIPT = textwrap.dedent(
     """
     import logging
@@ -334,7 +336,7 @@ def test_the_import_hook_patches_each_module_once_and_logs_once_per_module():
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip().endswith("OK")
-    lines = [line for line in completed.stderr.splitlines() if line.startswith("LOG nemo_gym_browser.patches")]
+    lines = [line for line in completed.stderr.splitlines() if line.startswith(LOGGERS)]
     patched = [line for line in lines if "patched" in line]
     assert [line.split()[4] for line in patched] == list(patches.TARGETS)
     assert all("verl 0.9.1" in line for line in patched)

@@ -119,7 +119,7 @@ def test_folder_on_pythonpath_installs_the_wiring_lazily_without_importing_torch
         "verl.trainer.ppo.v1.utils",
         "verl.trainer.ppo.v1.trainer_base",
     ]
-    assert state["legacy_wrapper_file"] == str(folder / "patches.py")
+    assert state["legacy_wrapper_file"] == str(folder / "trainer_wrappers.py")
     assert state["estimator_module"] == "nemo_gym_browser.group_stats"
     assert state["estimator_file"] == str(folder / "group_stats.py")
 
@@ -229,4 +229,4 @@ def test_the_patch_switch_off_still_lets_every_process_resolve_the_dataset_and_a
     assert state["dataset_file"] == str(folder / "dataset.py")
     # only the trainer wiring is off
     assert state["hook"] is False
-    assert state["legacy_wrapper_file"] != str(folder / "patches.py")
+    assert state["legacy_wrapper_file"] != str(folder / "trainer_wrappers.py")

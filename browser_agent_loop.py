@@ -232,6 +232,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
     # --- the rollout -------------------------------------------------------------------------------------------
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list[AgentLoopOutput]:
+        """One rollout: attempts until one counts (:meth:`_run_attempts`); a rollout still invalid is dropped under
+        the drop switch (:meth:`_drop`), else its samples get the reward and flags (:meth:`_flag_outputs`)."""
         spec = EpisodeSpec.from_tools_kwargs(kwargs.get("tools_kwargs"))
         under_v1 = running_under_v1_trainer(kwargs)
         if self.settings.stepwise.enabled and not under_v1:

@@ -25,12 +25,12 @@ from typing import Any
 
 from nemo_gym_browser.environment import (
     EnvironmentClient,
-    EnvironmentConfig,
     EnvironmentFailure,
     FailureKind,
     ToolResult,
     validate_verifier_metadata,
 )
+from nemo_gym_browser.settings import EnvironmentConfig
 
 # The server's own bundled example: a relative start URL resolves under the server's folder.
 DEFAULT_INITIAL_URL = "site/index.html"

@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import header, write_report
 from nemo_gym_browser.testing.fake_environment import BUNDLED_INITIAL_URL, FakeEnvironmentServer
 

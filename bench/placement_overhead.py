@@ -28,8 +28,9 @@ import sys
 import time
 import uuid
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.environment import EnvironmentClient
 from nemo_gym_browser.placement import SessionTicket, make_placement
+from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import fake_environment_process, header
 from nemo_gym_browser.testing.private_ray import private_ray
 

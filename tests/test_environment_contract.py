@@ -12,7 +12,8 @@ import itertools
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure, FailureKind
+from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind
+from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 START = "site/index.html"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.environment import EnvironmentClient
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.local.tiny_policy import load_samples
+from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer

@@ -23,7 +23,6 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -48,8 +47,6 @@ from nemo_gym_browser.tasks import (
     reference_key,
 )
 from nemo_gym_browser.text import shorten
-
-logger = logging.getLogger(__name__)
 
 TRAIN_FILE = "train.jsonl"
 VAL_FILE = "val.jsonl"

@@ -351,7 +351,8 @@ PORTS_FREE='for port; do if (exec 3<>"/dev/tcp/127.0.0.1/${port}") 2>/dev/null; 
 
 
 # MARKED <- PIDs on this node that carry this run's process mark: every descendant of this job, daemonized ones included.
-# Runs in this shell, with no helper process (a helper would carry the marker too).
+# Runs in this shell, with no helper process (a helper would carry the marker too). "This node" is this shell's
+# network namespace: where several nodes share one kernel (containers), the others' processes are theirs to stop.
 marked_pids() {
     local dir pid entry
     local -a environ
@@ -359,6 +360,7 @@ marked_pids() {
     for dir in /proc/[0-9]*; do
         pid="${dir#/proc/}"
         [[ "${pid}" == "$$" ]] && continue
+        [[ "${dir}/ns/net" -ef "/proc/$$/ns/net" ]] || continue
         mapfile -d '' -t environ 2>/dev/null <"${dir}/environ" || continue
         for entry in "${environ[@]}"; do
             if [[ "${entry}" == "NEMO_GYM_BROWSER_PROCESS_MARK=${NEMO_GYM_BROWSER_PROCESS_MARK}" ]]; then
@@ -368,6 +370,20 @@ marked_pids() {
         done
     done
 }
+
+# bash -c "${LEFT_ON_NODE}" left MARK: on the node it runs on (its network namespace), prints "PID(name)" for every
+# process carrying the process mark MARK and kills it; prints nothing when none is left. Builtins only, like
+# marked_pids.
+# shellcheck disable=SC2016  # expanded by the inner bash
+LEFT_ON_NODE='for dir in /proc/[0-9]*; do
+    pid="${dir#/proc/}"; [[ "${pid}" == "$$" ]] && continue; [[ "${dir}/ns/net" -ef "/proc/$$/ns/net" ]] || continue
+    mapfile -d "" -t environ 2>/dev/null <"${dir}/environ" || continue
+    for entry in "${environ[@]}"; do
+        if [[ "${entry}" == "NEMO_GYM_BROWSER_PROCESS_MARK=$1" ]]; then
+            read -r name <"${dir}/comm" 2>/dev/null; printf "%s(%s) " "${pid}" "${name:-gone}"; kill -KILL "${pid}" 2>/dev/null; break
+        fi
+    done
+done'
 
 describe_pids() {
     local pid name out=()
@@ -431,9 +447,23 @@ cleanup() {
         while alive "${pid}" && ((SECONDS < deadline)); do sleep 0.5; done
     done
     wait 2>/dev/null
+    # 4. The other nodes: their processes stopped with their srun steps; a short step on each makes sure (and kills
+    #    what escaped). After a cancellation Slurm refuses new steps: its own end of the job covers those nodes.
+    local node left checked=("${HEAD_NODE}") unchecked=()
+    if ((USE_SRUN)); then
+        for node in "${NODES[@]:1}"; do
+            if left="$(timeout -k 5 30 srun "${SRUN_STEP[@]}" --nodelist="${node}" --job-name=cleanup-check \
+                bash -c "${LEFT_ON_NODE}" left "${NEMO_GYM_BROWSER_PROCESS_MARK}" </dev/null 2>/dev/null)"; then
+                checked+=("${node}")
+                if [[ -n "${left}" ]]; then log "cleanup: WARNING: killed processes left on ${node}: ${left}"; fi
+            else
+                unchecked+=("${node}")
+            fi
+        done
+    fi
     marked_pids
     if ((${#MARKED[@]} == 0)); then
-        log "cleanup: done; no process of run ${RUN_ID} is left on ${HEAD_NODE}"
+        log "cleanup: done; no process of run ${RUN_ID} is left on ${checked[*]}${unchecked[*]:+ (not checked: ${unchecked[*]}, Slurm ends the job there)}"
     else
         log "cleanup: WARNING: processes still running: $(describe_pids "${MARKED[@]}")"
     fi
@@ -581,21 +611,45 @@ log "smoke episodes walked and verified on ${#URLS[@]} server(s) x ${#NODES[@]} 
 # ================================================================================================================
 # 5. Ray: a head on this node, one worker per other node
 # ================================================================================================================
+# node_address NODE: the address the other nodes reach NODE at. Slurm's NodeAddr for it (what slurmctld itself uses)
+# when that is an IPv4 address or a name resolving to a non-loopback one; else the node's first `hostname -I`
+# address, which on a node with a Docker bridge or several networks may be the wrong one (set NodeAddr or
+# RAY_HEAD_IP). Never the node name's own resolution: Debian maps a host's own name to 127.0.1.1.
+node_address() {
+    local node="$1" addr=""
+    addr="$(scontrol show node -o "${node}" 2>/dev/null | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')"
+    if [[ -n "${addr}" && ! "${addr}" =~ ^[0-9]+(\.[0-9]+){3}$ ]]; then
+        addr="$(getent ahostsv4 "${addr}" 2>/dev/null | awk '$1 !~ /^127\./ {print $1; exit}')"
+    fi
+    if [[ -z "${addr}" ]]; then addr="$(run_on "${node}" hostname -I 2>/dev/null | awk '{print $1}')"; fi
+    echo "${addr}"
+}
+
+declare -A NODE_IPS=()
 if ((NNODES == 1)); then
     # One node: everything on loopback. Ray replaces a loopback node address by the machine's first interface
     # address unless it believes it runs a local-only cluster; this switch (honoured on Linux too) says so.
     RAY_HEAD_IP=127.0.0.1
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-elif [[ -z "${RAY_HEAD_IP}" ]]; then
-    RAY_HEAD_IP="$(hostname -I | awk '{print $1}')"
+else
+    # Every Ray node registers at the address the others reach it at: the head's is where the workers connect.
+    for node in "${NODES[@]}"; do
+        NODE_IPS["${node}"]="$(node_address "${node}")"
+        [[ -n "${NODE_IPS[${node}]}" ]] || die "no address for node ${node}: Slurm gives no usable NodeAddr and the node lists none"
+    done
+    if [[ -n "${RAY_HEAD_IP}" ]]; then NODE_IPS["${HEAD_NODE}"]="${RAY_HEAD_IP}"; else RAY_HEAD_IP="${NODE_IPS[${HEAD_NODE}]}"; fi
+    addresses=()
+    for node in "${NODES[@]}"; do addresses+=("${node}=${NODE_IPS[${node}]}"); done
+    log "node addresses: ${addresses[*]}"
 fi
 export RAY_ADDRESS="${RAY_HEAD_IP}:${RAY_PORT}"
 ray_resources=()
 if [[ -n "${RAY_NUM_CPUS}" ]]; then ray_resources+=(--num-cpus="${RAY_NUM_CPUS}"); fi
 if [[ -n "${RAY_NUM_GPUS}" ]]; then ray_resources+=(--num-gpus="${RAY_NUM_GPUS}"); fi
 # Its own temp dir: `ray start` records the cluster address there, and a default /tmp/ray would make every other
-# `ray.init()` on the node join this cluster. Kept short: Ray's socket paths live under it (108-byte limit).
-ray_common=(--block --disable-usage-stats --temp-dir="${RAY_TMPDIR}" "${ray_resources[@]}")
+# `ray.init()` on the node join this cluster. One per node (RAY_TMPDIR/<node>): on a shared /tmp the nodes' sessions
+# would otherwise share one folder, their logs and node files. Kept short: Ray's socket paths live under it.
+ray_common=(--block --disable-usage-stats "${ray_resources[@]}")
 
 ray_alive_nodes() {
     timeout -k 5 30 "${RAY_BIN}" status --address="${RAY_ADDRESS}" 2>/dev/null |
@@ -604,7 +658,8 @@ ray_alive_nodes() {
 
 t0=$SECONDS
 launch "ray-head" "${HEAD_NODE}" "${RUN_DIR}/ray-head.log" "${RAY_BIN}" start --head \
-    --node-ip-address="${RAY_HEAD_IP}" --port="${RAY_PORT}" --include-dashboard=false "${ray_common[@]}"
+    --node-ip-address="${RAY_HEAD_IP}" --port="${RAY_PORT}" --include-dashboard=false \
+    --temp-dir="${RAY_TMPDIR}/${HEAD_NODE}" "${ray_common[@]}"
 RAY_HEAD_PID=$LAST_PID
 # A head takes 5-15 s; RAY_HEAD_TIMEOUT_S leaves room for a slow shared file system and a loaded node.
 deadline=$((SECONDS + RAY_HEAD_TIMEOUT_S))
@@ -634,14 +689,28 @@ report_listening_sockets() {
 }
 report_listening_sockets
 
+declare -A RAY_WORKERS=()
 for node in "${NODES[@]:1}"; do
     launch "ray-worker-${node}" "${node}" "${RUN_DIR}/ray-worker-${node}.log" "${RAY_BIN}" start \
-        --address="${RAY_ADDRESS}" "${ray_common[@]}"
+        --address="${RAY_ADDRESS}" --node-ip-address="${NODE_IPS[${node}]}" --temp-dir="${RAY_TMPDIR}/${node}" \
+        "${ray_common[@]}"
+    RAY_WORKERS["${LAST_PID}"]="${node}"
 done
-# Workers are started in parallel; a node that has not joined after RAY_WORKERS_TIMEOUT_S is a broken node.
+# Workers are started in parallel; a node that has not joined after RAY_WORKERS_TIMEOUT_S is a broken node, and a
+# worker that exits has failed to join.
 deadline=$((SECONDS + RAY_WORKERS_TIMEOUT_S))
 until (($(ray_alive_nodes) >= NNODES)); do
-    ((SECONDS < deadline)) || die "only $(ray_alive_nodes) of ${NNODES} Ray nodes joined within ${RAY_WORKERS_TIMEOUT_S} s (logs: ${RUN_DIR}/ray-worker-*.log)"
+    for pid in "${!RAY_WORKERS[@]}"; do
+        node="${RAY_WORKERS[${pid}]}"
+        alive "${pid}" || {
+            tail -n 20 "${RUN_DIR}/ray-worker-${node}.log" >&2
+            die "the Ray worker on ${node} (${NODE_IPS[${node}]}) exited without joining the head at ${RAY_ADDRESS}: ${RUN_DIR}/ray-worker-${node}.log"
+        }
+    done
+    if ((SECONDS >= deadline)); then
+        for pid in "${!RAY_WORKERS[@]}"; do tail -n 5 "${RUN_DIR}/ray-worker-${RAY_WORKERS[${pid}]}.log" >&2; done
+        die "only $(ray_alive_nodes) of ${NNODES} Ray nodes joined the head at ${RAY_ADDRESS} within ${RAY_WORKERS_TIMEOUT_S} s; workers started on ${NODES[*]:1} (${RUN_DIR}/ray-worker-*.log): can they reach ${RAY_ADDRESS}?"
+    fi
     sleep 3
 done
 log "Ray cluster: ${NNODES} of ${NNODES} node(s) joined in $((SECONDS - t0)) s"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs Debian's Slurm (slurmctld, slurmd, the client commands) and MUNGE for the single-node Slurm test
-# (tests/test_slurm_dry_run.py). Idempotent: a second run only checks. Starts no daemon: the test starts its own,
-# bound to loopback, with a slurm.conf it writes to a temporary folder, and stops them by PID.
+# Installs Debian's Slurm (slurmctld, slurmd, the client commands) and MUNGE for the Slurm tests, and what the
+# two-host tests build their hosts with: iproute2 (network namespaces, veth), util-linux (unshare, nsenter) and
+# iptables (a firewall between the hosts). Idempotent: a second run only checks. Starts no daemon: the tests start
+# their own with a slurm.conf they write to a temporary folder (on loopback, or inside network namespaces they make),
+# and stop them by PID.
 #
 #   bash scripts/setup_slurm.sh
 #
@@ -9,7 +11,7 @@
 # a temporary policy-rc.d (exit 101 = "action forbidden") keeps them from doing so during the install.
 set -euo pipefail
 
-readonly PACKAGES=(slurmctld slurmd slurm-client munge)
+readonly PACKAGES=(slurmctld slurmd slurm-client munge iproute2 util-linux iptables)
 # Waits for another apt/dpkg run (a teammate's or CI's) instead of failing on the lock.
 readonly APT_LOCK_TIMEOUT_S=600
 
@@ -20,7 +22,8 @@ started=${SECONDS}
 versions() { dpkg-query -W -f='${Package} ${Version}, ' "${PACKAGES[@]}" 2>/dev/null | sed 's/, $//'; }
 have_all() {
     command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v slurmd >/dev/null &&
-        command -v munged >/dev/null && command -v mungekey >/dev/null
+        command -v munged >/dev/null && command -v mungekey >/dev/null && command -v ip >/dev/null &&
+        command -v unshare >/dev/null && command -v nsenter >/dev/null && command -v iptables >/dev/null
 }
 if have_all; then
     log "already installed: $(versions)"
@@ -48,5 +51,5 @@ if ! apt_install; then
     apt-get -o DPkg::Lock::Timeout="${APT_LOCK_TIMEOUT_S}" update -q
     apt_install
 fi
-have_all || { log "ERROR: the install finished but a Slurm or MUNGE command is missing" >&2; exit 1; }
+have_all || { log "ERROR: the install finished but a Slurm, MUNGE or network command is missing" >&2; exit 1; }
 log "installed $(versions) in $((SECONDS - started)) s"

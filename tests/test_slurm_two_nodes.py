@@ -1,0 +1,410 @@
+"""``sbatch --nodes=2 submit_webvoyager.sh`` on two hosts: the dry run, two training steps, and the faults a second
+host brings (its Ray worker never joins, its environment server dies mid-run, the job is cancelled).
+
+The cluster is ``two_node_slurm`` (tests/slurm_fixtures.py): hosts ``h1`` and ``h2`` are network namespaces on this
+machine, each with its own loopback, host name and address (10.211.0.1, 10.211.0.2), one ``slurmd`` each and
+``slurmctld`` on ``h1``, shared by every test of this module. Each host serves the Corner Shop and a judge on its own
+loopback. The script runs unchanged: environment servers on every host's 127.0.0.1, the Ray head on ``h1``'s node
+address and a Ray worker on ``h2`` joined to it. Every test ends with nothing of the job left on either host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_fixtures import (
+    DRY_RUN_TIMEOUT_S,
+    HOST_JUDGE_MODEL,
+    HOST_JUDGE_PORT,
+    TWO_HOSTS,
+    LocalSlurm,
+    assert_hosts_quiet,
+    assert_in_order,
+    firewall,
+    leftover_processes,
+    listening_pid,
+    sbatch_wait,
+    wait_for,
+)
+
+from nemo_gym_browser.local import cpu_backend
+from nemo_gym_browser.local.training_run import read_step_metrics
+from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
+from nemo_gym_browser.testing.tokenizer import save_test_model
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "submit_webvoyager.sh"
+# Inside the hosts' namespaces nothing else listens: the script's own default ports are free on both.
+ENV_PORT = 8100
+RAY_PORT = 6379
+
+
+@pytest.fixture(scope="module")
+def recipe_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test model and a few rows, each with verifier_metadata."""
+    folder = tmp_path_factory.mktemp("inputs")
+    save_test_model(folder / "model")
+    tasks = folder / "tasks.jsonl"
+    questions = ["What is the heading of the page?", "Report the page title.", "Summarise the page."]
+    task = {"web_name": "Example", "web": "https://example.org/", "verifier_metadata": {"url_contains": "example.org"}}
+    tasks.write_text(
+        "".join(json.dumps({**task, "id": f"Example--{i}", "ques": q}) + "\n" for i, q in enumerate(questions * 2))
+    )
+    assert prepare_data(["--input", str(tasks), "--output-dir", str(folder / "data"), "--val-fraction", "0.34"]) == 0
+    return folder
+
+
+def dry_run_config(recipe_inputs: Path, tmp_path: Path, **extra: object) -> Path:
+    """A config.env for a two-host dry run: one server per host, a judge on every host's loopback, probed."""
+    settings: dict[str, object] = {
+        "MODEL_PATH": recipe_inputs / "model",
+        "DATA_DIR": recipe_inputs / "data",
+        "LOG_DIR": tmp_path / "logs",
+        "TRAIN_BATCH_SIZE": 2,
+        "PPO_MINI_BATCH_SIZE": 2,
+        "ENV_SERVERS_PER_NODE": 1,
+        "JUDGE_ENABLE": 1,
+        "JUDGE_BASE_URL": f"http://127.0.0.1:{HOST_JUDGE_PORT}/v1",
+        "JUDGE_MODEL": HOST_JUDGE_MODEL,
+        "JUDGE_ON_EVERY_NODE": 1,
+        "JUDGE_PROBE": 1,
+        **extra,
+    }
+    config_env = tmp_path / "config.env"
+    config_env.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
+    return config_env
+
+
+def strip_colours(text: str) -> str:
+    """``text`` without terminal colour codes (Ray's log colours its values)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def judge_probes(slurm: LocalSlurm) -> dict[str, int]:
+    """How many model-list probes each host's own judge answered so far."""
+    return {
+        node: (slurm.root / "log" / f"judge-{node}.out").read_text().count(f"models {node}\n") for node in slurm.nodes
+    }
+
+
+def assert_nothing_left_on_either_host(slurm: LocalSlurm, job_id: str, log: str) -> None:
+    """No process carries the job's id or the run's mark (both hosts share this /proc), nothing of it listens."""
+    left = leftover_processes(job_id, log)
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
+    assert_hosts_quiet(slurm)
+
+
+def test_two_node_dry_run_serves_and_smokes_on_both_hosts_joins_h2_to_the_head_and_leaves_nothing(
+    two_node_slurm: LocalSlurm, recipe_inputs: Path, tmp_path: Path
+) -> None:
+    config_env = dry_run_config(recipe_inputs, tmp_path)
+    run_id = f"two-node-dry-{os.getpid()}-{int(time.time())}"
+    probes_before = judge_probes(two_node_slurm)
+    job = sbatch_wait(
+        two_node_slurm,
+        SCRIPT,
+        ["--dry-run"],
+        config_env=config_env,
+        run_id=run_id,
+        workdir=tmp_path,
+        timeout_s=DRY_RUN_TIMEOUT_S,
+    )
+    print(f"two-host Slurm up in {two_node_slurm.setup_s:.1f} s; sbatch --wait --dry-run took {job.seconds:.1f} s")
+    assert_in_order(
+        job.log,
+        [
+            f"run {run_id}: mode dry-run, 2 node(s) (h1 h2), recipe {REPO}",
+            "preflight: all 9 checks passed",
+            f"environment servers up: 1 per node on 2 node(s), 127.0.0.1 ports {ENV_PORT}-{ENV_PORT}",
+            "smoke episodes walked and verified on 1 server(s) x 2 node(s)",
+            # Slurm's NodeAddr, not the Docker bridge `hostname -I` lists first
+            "node addresses: h1=10.211.0.1 h2=10.211.0.2",
+            f"Ray head up at 10.211.0.1:{RAY_PORT}",
+            "Ray cluster: 2 of 2 node(s) joined",
+            "preflight: ok   ray-workers: 2 node(s) (h1, h2): NEMO_GYM_BROWSER_DROP_INVALID=0, recipe and "
+            f"grpo_env_aware in place; judge {HOST_JUDGE_MODEL} answers at http://127.0.0.1:{HOST_JUDGE_PORT}/v1 on "
+            "every node",
+            "dry run passed",
+            f"cleanup: done; no process of run {run_id} is left on h1 h2\n",
+        ],
+    )
+    assert "cleanup: also stopping" not in job.log and "cleanup: killing" not in job.log
+    logs = tmp_path / "logs" / run_id
+    for node in ("h1", "h2"):
+        assert f"== smoke http://127.0.0.1:{ENV_PORT}" in (logs / f"smoke-{node}.log").read_text()
+        assert "ready in" in (logs / f"env-{node}-{ENV_PORT}.log").read_text()
+    # h2's Ray worker registered with h2's own address, at the head on h1
+    worker_log = (logs / "ray-worker-h2.log").read_text()
+    assert "Local node IP: 10.211.0.2" in strip_colours(worker_log), worker_log[-2000:]
+    # each host's own judge answered the probe of the Ray worker on that host
+    probes_after = judge_probes(two_node_slurm)
+    assert all(probes_after[node] > probes_before[node] for node in ("h1", "h2")), (probes_before, probes_after)
+    assert_nothing_left_on_either_host(two_node_slurm, job.job_id, job.log)
+
+
+# ----- training across both hosts ---------------------------------------------------------------------------------
+
+STEPS = 2
+# Checks and start-up (~1-2 min), then main_ppo's Ray start, model load and the CPU steps.
+TRAIN_TIMEOUT_S = 1800
+
+
+def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path], **extra: object) -> Path:
+    """A config.env for a CPU training job on both hosts: one agent-loop worker and ``ENV_SERVERS_PER_NODE`` servers
+    per host, the tiny policy, the shop's rows; trajectories recorded, so each episode names its host."""
+    settings: dict[str, object] = {
+        "MODEL_PATH": policy,
+        "TRAIN_FILES": rows[0],
+        "VAL_FILES": rows[1],
+        "LOG_DIR": tmp_path / "logs",
+        "CHECKPOINT_DIR": tmp_path / "checkpoints",
+        "GPUS_PER_NODE": 1,
+        "AGENT_WORKERS_PER_NODE": 1,
+        "ROLLOUT_N": 2,
+        "TRAIN_BATCH_SIZE": 2,
+        "PPO_MINI_BATCH_SIZE": 2,
+        "MAX_PROMPT_LENGTH": 1536,
+        "MAX_RESPONSE_LENGTH": 2048,
+        "MAX_TOKEN_LEN_PER_GPU": 3584,
+        "MAX_ASSISTANT_TURNS": 6,
+        "ROLLOUT_TP": 1,
+        "TOTAL_EPOCHS": 1,
+        "ENV_SERVERS_PER_NODE": 1,
+        # `ray start` on each host gets the logical resources the CPU backend's ray_init overrides give a private Ray
+        "RAY_NUM_GPUS": 1,
+        "RAY_NUM_CPUS": 16,
+        "JUDGE_ENABLE": 0,  # every shop task has verifier_metadata
+        "LOGGER": "console,file",
+        "SAVE_FREQ": STEPS,
+        "TEST_FREQ": 100,
+        "EXPERIMENT_NAME": "two_node_cpu",
+        **extra,
+    }
+    lines = [f"{key}={value}" for key, value in settings.items()]
+    exports = {**cpu_backend.cpu_env(), "VERL_FILE_LOGGER_PATH": str(tmp_path / "metrics.jsonl")}
+    lines += [f"export {key}={value}" for key, value in exports.items()]
+    config_env = tmp_path / "config.env"
+    config_env.write_text("\n".join(lines) + "\n")
+    return config_env
+
+
+def cpu_job_overrides(tmp_path: Path, steps: int = STEPS) -> list[str]:
+    """The CPU backend's overrides for a job whose Ray cluster the script starts, ``steps`` steps, trajectories on."""
+    return [o for o in cpu_backend.cpu_overrides() if "ray_kwargs" not in o] + [
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=False",
+        f"nemo_gym_browser.trajectory_dir={tmp_path / 'trajectories'}",
+    ]
+
+
+def episodes_by_host(trajectories: Path) -> dict[str, list[dict]]:
+    """Every recorded episode, by the host whose agent-loop worker ran it (``<host>-<pid>.jsonl``)."""
+    found: dict[str, list[dict]] = {}
+    for path in sorted(trajectories.glob("step-*/*.jsonl")):
+        host = path.name.rsplit("-", 1)[0]
+        found.setdefault(host, []).extend(json.loads(line) for line in path.read_text().splitlines() if line)
+    return found
+
+
+def test_two_node_sbatch_trains_two_steps_with_rollouts_on_both_hosts_each_on_its_own_servers(
+    two_node_slurm: LocalSlurm, tiny_policy: Path, shop_rows: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config_env = training_config(tmp_path, tiny_policy, shop_rows)
+    run_id = f"two-node-train-{os.getpid()}-{int(time.time())}"
+    job = sbatch_wait(
+        two_node_slurm,
+        SCRIPT,
+        cpu_job_overrides(tmp_path),
+        config_env=config_env,
+        run_id=run_id,
+        workdir=tmp_path,
+        timeout_s=TRAIN_TIMEOUT_S,
+    )
+    print(f"sbatch --wait --nodes=2 submit_webvoyager.sh (2 CPU training steps) took {job.seconds:.0f} s")
+    assert_in_order(
+        job.log,
+        [
+            f"run {run_id}: mode train, 2 node(s) (h1 h2)",
+            "smoke episodes walked and verified on 1 server(s) x 2 node(s)",
+            f"Ray head up at 10.211.0.1:{RAY_PORT}",
+            "Ray cluster: 2 of 2 node(s) joined",
+            "settings checked inside Ray workers on every node",
+            "WARNING: VERL_PLATFORM=cpu: training on the CPU test backend",
+            "training: ",
+            f"cleanup: done; no process of run {run_id} is left on h1 h2\n",
+        ],
+    )
+    steps = read_step_metrics(tmp_path / "metrics.jsonl")
+    assert sorted(steps) == [1, 2], job.log[-4000:]
+    for metrics in steps.values():
+        assert metrics["env/samples"] == 4  # TRAIN_BATCH_SIZE x ROLLOUT_N
+        assert metrics["env/reward_source/verify"] == 1.0
+        assert "actor/pg_loss" in metrics and "grpo_env_aware/invalid_fraction" in metrics
+    checkpoints = tmp_path / "checkpoints" / "nemo_gym_browser" / "two_node_cpu"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
+
+    # An agent-loop worker on each host ran episodes; its 127.0.0.1 servers are that host's own (nothing else is
+    # reachable there), and every episode was scored by the environment's verify.
+    episodes = episodes_by_host(tmp_path / "trajectories")
+    assert sorted(episodes) == ["h1", "h2"], sorted(episodes)
+    assert sum(len(records) for records in episodes.values()) == STEPS * 4
+    for records in episodes.values():
+        assert all(record["flags"]["reward_source"] == "verify" for record in records), records[0]["flags"]
+    assert_nothing_left_on_either_host(two_node_slurm, job.job_id, job.log)
+
+
+# ----- what a second host brings: faults ----------------------------------------------------------------------------
+
+# Long enough for a healthy worker to join on this loaded machine (~10 s), short enough to keep the test cheap.
+WORKER_JOIN_TIMEOUT_S = 40
+# The second server on each host, the one killed on h2.
+DOOMED_PORT = ENV_PORT + 1
+# Into main_ppo: its workers are up on both hosts by then.
+CANCEL_AFTER_S = 30
+
+
+def submit(slurm: LocalSlurm, args: list[str], *, config_env: Path, run_id: str, workdir: Path) -> tuple[str, Path]:
+    """``sbatch --nodes=2`` without waiting: the job id and its log file."""
+    job_log = workdir / "job.out"
+    submitted = subprocess.run(
+        slurm.command(
+            "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=30", f"--output={job_log}", str(SCRIPT)
+        )
+        + args,
+        env={**slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip().split(";")[0], job_log
+
+
+def read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def wait_until_gone(slurm: LocalSlurm, job_id: str, timeout_s: float, logs: list[Path]) -> None:
+    """Returns once ``job_id`` has left the queue."""
+
+    def gone() -> bool:
+        queue = subprocess.run(
+            slurm.command("squeue", "-h", "-j", job_id), env=slurm.env, capture_output=True, text=True, timeout=30
+        )
+        return queue.stdout.strip() == ""
+
+    wait_for(gone, timeout_s, f"job {job_id} to leave the queue", logs)
+
+
+def job_state(slurm: LocalSlurm, job_id: str) -> str:
+    shown = subprocess.run(
+        slurm.command("scontrol", "show", "job", "-o", job_id),
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return shown.stdout
+
+
+def test_when_h2s_ray_worker_cannot_reach_the_head_the_job_fails_within_the_bounded_wait_and_stops_everything(
+    two_node_slurm: LocalSlurm, recipe_inputs: Path, tmp_path: Path
+) -> None:
+    config_env = dry_run_config(recipe_inputs, tmp_path, RAY_WORKERS_TIMEOUT_S=WORKER_JOIN_TIMEOUT_S)
+    run_id = f"two-node-nojoin-{os.getpid()}-{int(time.time())}"
+    # h2 can reach h1 (Slurm, srun) but not the Ray head's port: its worker starts and never joins.
+    with firewall(two_node_slurm, "h2", TWO_HOSTS["h1"], RAY_PORT):
+        job = sbatch_wait(
+            two_node_slurm,
+            SCRIPT,
+            ["--dry-run"],
+            config_env=config_env,
+            run_id=run_id,
+            workdir=tmp_path,
+            timeout_s=DRY_RUN_TIMEOUT_S,
+            expect_failure=True,
+        )
+    print(f"sbatch --wait --dry-run with h2 firewalled from the Ray head took {job.seconds:.1f} s")
+    assert_in_order(
+        job.log,
+        [
+            "smoke episodes walked and verified on 1 server(s) x 2 node(s)",
+            f"Ray head up at 10.211.0.1:{RAY_PORT}",
+            f"ERROR: only 1 of 2 Ray nodes joined the head at 10.211.0.1:{RAY_PORT} within {WORKER_JOIN_TIMEOUT_S} s; "
+            "workers started on h2",
+            "cleanup: stopping",
+            f"cleanup: done; no process of run {run_id} is left on h1 h2\n",
+        ],
+    )
+    assert "settings checked inside Ray workers" not in job.log and "dry run passed" not in job.log
+    assert "cleanup: killing" not in job.log  # everything stopped when asked, within the grace period
+    assert_nothing_left_on_either_host(two_node_slurm, job.job_id, job.log)
+
+
+def test_when_h2s_environment_server_dies_mid_run_its_episodes_are_resampled_on_h2s_live_server_and_training_goes_on(
+    two_node_slurm: LocalSlurm, tiny_policy: Path, shop_rows: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config_env = training_config(tmp_path, tiny_policy, shop_rows, ENV_SERVERS_PER_NODE=2, SAVE_FREQ=100)
+    run_id = f"two-node-envdeath-{os.getpid()}-{int(time.time())}"
+    job_id, job_log = submit(
+        two_node_slurm, cpu_job_overrides(tmp_path, steps=1), config_env=config_env, run_id=run_id, workdir=tmp_path
+    )
+    started = time.monotonic()
+    # Once the trainer starts, h2's second server dies (SIGKILL, no goodbye); h1's two and h2's first live on.
+    wait_for(lambda: "training: " in read(job_log), DRY_RUN_TIMEOUT_S, "the training step", [job_log])
+    doomed = listening_pid(two_node_slurm, "h2", DOOMED_PORT)
+    os.kill(doomed, signal.SIGKILL)
+    wait_until_gone(two_node_slurm, job_id, TRAIN_TIMEOUT_S, [job_log])
+    log = read(job_log)
+    print(f"1-step two-host run with h2's second server killed took {time.monotonic() - started:.0f} s")
+    state = job_state(two_node_slurm, job_id)
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, log[-6000:]
+
+    steps = read_step_metrics(tmp_path / "metrics.jsonl")
+    assert sorted(steps) == [1], log[-4000:]
+    assert steps[1]["env/samples"] == 4 and steps[1]["env/reward_source/verify"] == 1.0, steps[1]
+    episodes = episodes_by_host(tmp_path / "trajectories")
+    assert sorted(episodes) == ["h1", "h2"], sorted(episodes)
+    # h2: an attempt on the dead server failed as infrastructure and was run again, on h2's live server, and scored
+    resampled = [record for record in episodes["h2"] if record["failed_attempt_kinds"]]
+    assert resampled, [record["flags"] for record in episodes["h2"]]
+    for record in resampled:
+        assert set(record["failed_attempt_kinds"]) <= {"unreachable", "session_lost", "server_error"}, record
+        assert record["flags"]["env_invalid"] is False and record["flags"]["reward_source"] == "verify", record
+        assert record["flags"]["attempts"] == len(record["failed_attempt_kinds"]) + 1
+    # h1's servers are not h2's: nothing failed there
+    assert all(not record["failed_attempt_kinds"] for record in episodes["h1"]), [r["flags"] for r in episodes["h1"]]
+    assert f"cleanup: done; no process of run {run_id} is left on h1 h2\n" in log
+    assert_nothing_left_on_either_host(two_node_slurm, job_id, log)
+
+
+def test_scancel_mid_run_stops_every_process_on_both_hosts(
+    two_node_slurm: LocalSlurm, tiny_policy: Path, shop_rows: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config_env = training_config(tmp_path, tiny_policy, shop_rows)
+    run_id = f"two-node-cancel-{os.getpid()}-{int(time.time())}"
+    job_id, job_log = submit(
+        two_node_slurm, cpu_job_overrides(tmp_path), config_env=config_env, run_id=run_id, workdir=tmp_path
+    )
+    started = time.monotonic()
+    # Cancel while the trainer runs: servers, Ray and verl's workers on both hosts.
+    wait_for(lambda: "training: " in read(job_log), DRY_RUN_TIMEOUT_S, "the training step", [job_log])
+    time.sleep(CANCEL_AFTER_S)
+    subprocess.run(two_node_slurm.command("scancel", job_id), env=two_node_slurm.env, check=True, timeout=30)
+    wait_until_gone(two_node_slurm, job_id, 180, [job_log])
+    log = read(job_log)
+    print(f"two-host training cancelled {CANCEL_AFTER_S} s into main_ppo; {time.monotonic() - started:.0f} s in all")
+    assert "terminated (job cancelled or out of time)" in log, log[-3000:]
+    assert "cleanup: killing" not in log  # everything stopped within the grace period, nothing was forced
+    assert re.search(rf"cleanup: done; no process of run {run_id} is left on h1", log), log[-3000:]
+    assert_nothing_left_on_either_host(two_node_slurm, job_id, log)

@@ -1,12 +1,23 @@
 """Which environment server a new browser session goes to, and how many sessions each server holds at once.
 
+Why the run-wide authority and not a static share of the cap (``bench/placement_share.py``, numbers in its JSON)
+    verl cuts a batch into equal chunks in order, and a prompt's samples are adjacent, so one agent-loop worker can
+    hold all the long episodes while others finish early. On such a batch (8 workers, 4 servers capped at 4, one
+    worker with 3x the others' work) a static share of 2 slots per worker took 52.3 s against the authority's
+    25.8 s (2.0x; 1.7x in an earlier run), servers 36 % busy against 73 %: the early workers' slots sat idle while
+    the busy worker queued. Both held every server at its cap, never above. A worker killed holding sessions
+    left its browsers open to the end under the static share; the authority closed them and freed the slots
+    5.2 s after the kill (``lease_ttl_s`` 5 there, 60 by default; in verl 0.9.1 nothing restarts a dead worker and
+    the step fails either way, so this counts for less). When ``max_sessions_per_server`` times the
+    servers covers every episode of a batch, neither design waits and they are the same.
+
 What this module owns
     * The placement rule, :class:`PlacementBook`: a new session goes to the server with the fewest sessions in
       flight among the servers in rotation and under their cap (``max_sessions_per_server``). A server out of
       rotation (it stopped answering; for ``server_cooldown_s``) gets a session only when no server is in rotation,
       which probes it back in. When every candidate is full the request waits, first come first served, and a slot
       given back is handed straight to the first waiter that can use it (no wake-up storm).
-    * Two hosts for that one rule, chosen by ``EnvironmentConfig.placement``:
+    * Three hosts for that one rule; ``EnvironmentConfig.placement`` chooses between the first two:
         - :class:`ProcessPlacement` counts the sessions of this process only: tests, ``smoke_environment.py`` and
           tools that run without Ray.
         - :class:`RayPlacement` counts the sessions of the whole run in one :class:`PlacementAuthority` actor that
@@ -14,6 +25,9 @@ What this module owns
           sessions on it. Loopback server URLs get one authority per node (``127.0.0.1:8100`` is another server on
           every node); other URLs one per run. ``auto`` (the default) uses it whenever the process is connected to
           Ray, as verl's workers are.
+        - :class:`StaticSharePlacement` counts this process's sessions within a fixed share of every server's cap
+          (:func:`static_share`), decided locally from the worker's rank and the number of workers: no actor, no
+          leases, and the cost measured above.
 
 Leases (:class:`RayPlacement`)
     Every slot is a lease whose id the client chose before asking, so nothing is lost whatever happens in between:
@@ -43,7 +57,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -141,9 +155,15 @@ class PlacementBook:
     def __init__(self) -> None:
         self._slots: dict[str, _Slot] = {}
         self._waiters: list[_Waiter] = []
+        self._limits: dict[str, int] = {}  # a lower cap for some servers (a static share); absent: the request's
 
     def outstanding(self) -> dict[str, int]:
         return {server: slot.outstanding for server, slot in self._slots.items()}
+
+    def limit(self, limits: Mapping[str, int]) -> None:
+        """Hold at most ``limits[server]`` sessions on each listed server, whatever cap a request names."""
+        self._limits = dict(limits)
+        self.dispatch()
 
     def is_down(self, server: str) -> bool:
         return time.monotonic() < self._slot(server).down_until
@@ -151,9 +171,10 @@ class PlacementBook:
     def take(self, servers: Sequence[str], cap: int) -> str | None:
         """Count one session on the best server for it, or return None when every candidate is full."""
         now = time.monotonic()
-        slots = [(server, self._slot(server)) for server in servers]
+        caps = {server: min(cap, self._limits.get(server, cap)) for server in servers}
+        slots = [(server, self._slot(server)) for server in servers if caps[server] > 0]
         healthy = [(server, slot) for server, slot in slots if now >= slot.down_until]
-        pool = [(server, slot) for server, slot in (healthy or slots) if slot.outstanding < cap]
+        pool = [(server, slot) for server, slot in (healthy or slots) if slot.outstanding < caps[server]]
         if not pool:
             return None
         server, slot = min(pool, key=lambda item: (item[1].outstanding, item[1].down_until))
@@ -242,6 +263,44 @@ class ProcessPlacement:
 
     async def close(self) -> None:
         return None
+
+
+def static_share(cap: int, servers: Sequence[str], rank: int, workers: int) -> dict[str, int]:
+    """The slots worker ``rank`` of ``workers`` may hold on each server, decided without asking anyone.
+
+    The ``cap * len(servers)`` slots are dealt server by server, one to each worker in turn: every server's slots
+    sum to ``cap`` over the workers, workers' totals differ by at most one, and a worker's slots land on different
+    servers before any server gets two of them (when ``workers >= cap``).
+    """
+    if not 0 <= rank < workers:
+        raise ValueError(f"worker rank {rank} is not in [0, {workers})")
+    if cap * len(servers) < workers:
+        raise ValueError(f"{cap} sessions on each of {len(servers)} servers cannot give each of {workers} workers one")
+    share = dict.fromkeys(servers, 0)
+    for index, server in enumerate(servers):
+        share[server] = sum(1 for slot in range(index * cap, (index + 1) * cap) if slot % workers == rank)
+    return share
+
+
+class StaticSharePlacement(ProcessPlacement):
+    """The rule over this process's sessions, within a fixed share of every server's cap (:func:`static_share`).
+
+    No process talks to another: the cap holds per server as long as every worker sharing the servers has a
+    distinct ``rank`` and the same ``workers``. The slots of a worker that dies are lost and its browsers stay open
+    on the servers until they restart (nothing else knows about them); an idle worker's slots stay idle.
+    """
+
+    def __init__(self, rank: int, workers: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.workers = workers
+        self._dealt: tuple[tuple[str, ...], int] | None = None
+
+    async def acquire(self, servers: Sequence[str], cap: int, ticket: SessionTicket) -> Grant:
+        if self._dealt != (tuple(servers), cap):
+            self.book.limit(static_share(cap, servers, self.rank, self.workers))
+            self._dealt = (tuple(servers), cap)
+        return await super().acquire(servers, cap, ticket)
 
 
 # ----- the whole run -------------------------------------------------------------------------------------------
@@ -337,16 +396,17 @@ class PlacementAuthority:
         dead = {holder for holder, (seen, ttl_s) in self._holders.items() if now - seen > ttl_s}
         for holder in dead:
             del self._holders[holder]
-        if dead:
-            for lease_id, lease in self._leases.items():
-                if lease.holder in dead:
-                    logger.warning(
-                        "lease %s (session %s on %s): its process stopped answering; its browser will be closed",
-                        lease_id,
-                        lease.ticket.get("session_id"),
-                        lease.server,
-                    )
-                    lease.holder = None
+        # Not only the leases of holders found dead just now: a request that was waiting when its process died
+        # may have been granted after that process was forgotten.
+        for lease_id, lease in self._leases.items():
+            if lease.holder is not None and lease.holder not in self._holders:
+                logger.warning(
+                    "lease %s (session %s on %s): its process stopped answering; its browser will be closed",
+                    lease_id,
+                    lease.ticket.get("session_id"),
+                    lease.server,
+                )
+                lease.holder = None
         for lease_id, when in list(self._released_early.items()):
             if now - when > _EARLY_RELEASE_MEMORY_S:
                 del self._released_early[lease_id]

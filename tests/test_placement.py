@@ -2,7 +2,8 @@
 
 Two real Ray actors (two worker processes, as verl's ``AgentLoopWorker``s are) open sessions through their own
 ``EnvironmentClient`` on one fake environment server in this process; the server itself counts the browsers open at
-once. Leases of a worker that dies are reclaimed and its browsers closed; a cancelled wait leaks no lease.
+once. Leases of a worker that dies are reclaimed and its browsers closed; a cancelled wait leaks no lease. The static
+per-worker share holds the cap without any process talking to another (offline: several workers in one loop).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import uuid
 import pytest
 
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure
-from nemo_gym_browser.placement import PlacementAuthority
+from nemo_gym_browser.placement import Grant, PlacementAuthority, SessionTicket, StaticSharePlacement, static_share
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 START = "site/index.html"
@@ -129,6 +130,19 @@ async def test_the_leases_of_a_silent_holder_stay_counted_until_a_live_one_close
     assert await authority.acquire("alive", 30.0, "lease-3", [SERVER], 1, TICKET, 0.05) == (SERVER, False)
 
 
+async def test_a_request_granted_after_its_process_was_taken_for_dead_is_handed_out_as_an_orphan():
+    authority = PlacementAuthority()
+    await authority.acquire("dead", 0.05, "held", [SERVER], 1, TICKET, 1.0)
+    waiting = asyncio.create_task(authority.acquire("dead", 0.05, "waiting", [SERVER], 1, TICKET, 5.0))
+    await asyncio.sleep(0.1)  # the process dies while its second request waits for the slot
+    assert await authority.heartbeat("alive", 30.0) == [("held", SERVER, TICKET)]
+
+    await authority.release("held")  # closed for the dead process: the slot goes to its own waiting request
+    assert await waiting == (SERVER, False)
+
+    assert await authority.heartbeat("alive", 30.0) == [("waiting", SERVER, TICKET)]  # not held forever
+
+
 async def test_a_server_reported_down_gets_sessions_only_when_no_other_is_in_rotation():
     authority = PlacementAuthority()
     other = "http://127.0.0.1:8101"
@@ -235,3 +249,88 @@ async def test_a_session_cancelled_while_waiting_for_a_slot_leaks_no_lease(tq, s
             async with client.session(rollout_id=f"c{uuid.uuid4().hex[:8]}", attempt=1, task_id="t", initial_url=START):
                 assert server.open_sessions == 1
     assert server.open_sessions == 0
+
+
+# ----- the static per-worker share (no Ray) --------------------------------------------------------------------
+
+SERVERS = tuple(f"http://127.0.0.1:{8100 + index}" for index in range(4))
+
+
+def ticket(name: str) -> SessionTicket:
+    return SessionTicket(session_id=name, rollout_id=name, attempt=1)
+
+
+@pytest.mark.parametrize(("cap", "servers", "workers"), [(4, 4, 8), (4, 4, 6), (64, 4, 8), (4, 4, 3), (3, 2, 5)])
+def test_the_static_shares_of_all_workers_add_up_to_each_servers_cap(cap, servers, workers):
+    urls = SERVERS[:servers]
+    shares = [static_share(cap, urls, rank, workers) for rank in range(workers)]
+
+    assert [sum(share[url] for share in shares) for url in urls] == [cap] * servers
+    totals = [sum(share.values()) for share in shares]
+    assert max(totals) - min(totals) <= 1  # cap * servers / workers each, give or take the remainder
+
+
+def test_a_workers_static_share_is_spread_over_the_servers_before_doubling_up_on_one():
+    two_each = [static_share(4, SERVERS, rank, 8) for rank in range(8)]
+    four_each = [static_share(4, SERVERS, rank, 4) for rank in range(4)]
+
+    assert all(sorted(share.values()) == [0, 0, 1, 1] for share in two_each)
+    assert all(list(share.values()) == [1, 1, 1, 1] for share in four_each)
+
+
+def test_a_static_share_without_a_slot_for_every_worker_is_refused():
+    with pytest.raises(ValueError, match="cannot give each of 9 workers one"):
+        static_share(2, SERVERS, 0, 9)
+    with pytest.raises(ValueError, match="rank 8"):
+        static_share(4, SERVERS, 8, 8)
+
+
+async def test_workers_with_static_shares_never_hold_more_sessions_on_a_server_than_its_cap():
+    cap, workers, per_worker = 2, 3, 12
+    placements = [StaticSharePlacement(rank, workers) for rank in range(workers)]
+    held = dict.fromkeys(SERVERS, 0)
+    peak = dict.fromkeys(SERVERS, 0)
+
+    async def session(placement: StaticSharePlacement, name: str) -> None:
+        grant = await placement.acquire(SERVERS, cap, ticket(name))
+        held[grant.server] += 1
+        peak[grant.server] = max(peak[grant.server], held[grant.server])
+        await asyncio.sleep(0.01)
+        held[grant.server] -= 1
+        placement.release(grant)
+
+    async with asyncio.timeout(10):
+        await asyncio.gather(
+            *(
+                session(placement, f"w{rank}-{index}")
+                for rank, placement in enumerate(placements)
+                for index in range(per_worker)
+            )
+        )
+
+    assert peak == dict.fromkeys(SERVERS, cap)  # every server used to its cap, none beyond it
+    assert held == dict.fromkeys(SERVERS, 0)
+
+
+async def test_a_worker_at_its_static_share_waits_though_other_workers_slots_are_idle():
+    placement = StaticSharePlacement(rank=0, workers=8)  # 2 of the 16 slots: one on each of two servers
+    first = await placement.acquire(SERVERS, 4, ticket("a"))
+    second = await placement.acquire(SERVERS, 4, ticket("b"))
+    third = asyncio.create_task(placement.acquire(SERVERS, 4, ticket("c")))
+    await asyncio.sleep(0.05)
+
+    assert first.server != second.server
+    assert not third.done()  # 14 slots idle on the servers, none of them this worker's
+    placement.release(first)
+    async with asyncio.timeout(1):
+        assert (await third).server == first.server
+
+
+async def test_a_static_share_goes_to_its_other_server_while_one_is_out_of_rotation():
+    placement = StaticSharePlacement(rank=0, workers=8)
+    mine = [url for url, slots in static_share(4, SERVERS, 0, 8).items() if slots]
+    placement.mark_down(mine[0], 30.0)
+
+    grant: Grant = await placement.acquire(SERVERS, 4, ticket("a"))
+
+    assert grant == Grant(server=mine[1], lease_id="a", probing=False)

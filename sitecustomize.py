@@ -29,14 +29,9 @@ import traceback
 from types import ModuleType
 
 PACKAGE = "nemo_gym_browser"
-SWITCH_ENV = "NEMO_GYM_BROWSER_PATCHES"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 chained: ModuleType | None = None
-
-
-def _enabled() -> bool:
-    return os.environ.get(SWITCH_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
 def _import_package() -> ModuleType:
@@ -68,10 +63,8 @@ def _install() -> None:
     except Exception:
         sys.stderr.write(f"{PACKAGE} sitecustomize: could not load the package:\n{traceback.format_exc()}")
         return
-    if not _enabled():
-        return
     try:
-        importlib.import_module(f"{PACKAGE}.patches").install_on_import()
+        importlib.import_module(f"{PACKAGE}.patches").install_on_import()  # does nothing when the switch is off
     except Exception:
         sys.stderr.write(f"{PACKAGE} sitecustomize: could not install the trainer wiring:\n{traceback.format_exc()}")
 

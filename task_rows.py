@@ -14,7 +14,7 @@ from typing import Any
 from .environment import TOOL_NAMES
 from .tasks import REFERENCE_FIELDS, Task
 
-DATA_SOURCE = "webvoyager"
+DATA_SOURCE = "webvoyager"  # the rows' data_source: verl keys validation metrics by it (val-core/<source>/...)
 BROWSER_TOOL = "browser"
 TOOL_INTERFACES = ("browser", "native")
 

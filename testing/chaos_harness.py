@@ -58,7 +58,7 @@ from .agent_loop_harness import agent_loop_entry, compose_trainer_config, load_t
 from .benchmarking import LoopFactory
 from .fake_environment import FakeEnvironmentServer
 from .fault_proxy import FaultProxy
-from .faults import Fault, Rule, SeenRequest
+from .faults import HANG_LIMIT_S, Fault, Rule, SeenRequest
 from .tokenizer import build_test_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -256,6 +256,7 @@ class Backend:
         self.hits = []
         self.targeting: Targeting | None = None
         self.slow_s = 0.0  # how long a "slow" call waits before it is handled (below the per-call timeout)
+        self.hang_s = HANG_LIMIT_S  # how long a "hang" holds its call: past any per-call timeout
         self._bursting: set[int] = set()
 
     def fault_for(self, server: int, session_id: str | None, endpoint: str) -> str | None:
@@ -274,8 +275,16 @@ class Backend:
         return rule
 
     def _fault_of(self, kind: str) -> Fault:
-        """The fault a planned ``kind`` ("status", "burst", "hang", "slow", "drop", "lose_session", "fail_seed") is."""
-        raise NotImplementedError
+        """The fault a planned ``kind`` is: the same value whether a fake server or a proxy carries it out."""
+        return {
+            "status": Fault.status(503),
+            "burst": Fault.status(503),
+            "hang": Fault.hang(self.hang_s),
+            "slow": Fault.hang(self.slow_s),
+            "drop": Fault.drop_connection(),
+            "lose_session": Fault.lose_session(),
+            "fail_seed": Fault.fail_seed(),
+        }[kind]
 
     async def burst(self, server: int, seconds: float) -> None:
         """Every call to ``server`` answers 503 for ``seconds``."""
@@ -340,17 +349,6 @@ class FakeBackend(Backend):
         for server in self.servers:
             await server.stop()
 
-    def _fault_of(self, kind: str) -> Fault:
-        return {
-            "status": Fault.status(503),
-            "burst": Fault.status(503),
-            "hang": Fault.hang(self.hang_s),
-            "slow": Fault.hang(self.slow_s),
-            "drop": Fault.drop_connection(),
-            "lose_session": Fault.lose_session(),
-            "fail_seed": Fault.fail_seed(),
-        }[kind]
-
     async def kill_and_restart(self, server: int) -> None:
         fake = self.servers[server]
         await fake.stop(lose_state=True)  # the process dies with its browsers
@@ -395,17 +393,6 @@ class ProxiedBackend(Backend):
     async def __aexit__(self, *exc_info: object) -> None:
         for proxy in self.proxies:
             await proxy.close()
-
-    def _fault_of(self, kind: str) -> Fault:
-        return {
-            "status": Fault.status(503),
-            "burst": Fault.status(503),
-            "hang": Fault.hang(),
-            "slow": Fault.hang(self.slow_s),
-            "drop": Fault.drop_connection(None),
-            "lose_session": Fault.lose_session(),
-            "fail_seed": Fault.status(500),
-        }[kind]
 
     async def kill_and_restart(self, server: int) -> None:
         proxy = self.proxies[server]

@@ -20,7 +20,7 @@ The kinds, and what each does in both places:
 - ``lose_session`` (:meth:`Fault.lose_session`): the server no longer knows the request's session. The fake forgets
   it (its browser died with it), then handles the request; the proxy forwards the request without its session
   cookie and strips the cookie the answer sets, so the server serves a session it does not know (its browser stays
-  until a typed close or verify releases it);
+  open until a later call that carries the cookie, or a typed close, releases it);
 - ``crash_browser`` (:meth:`Fault.crash_browser`): the session's browser dies, then the request is handled (fake
   only);
 - ``regrade`` (:meth:`Fault.regrade`): handle (forward) the request; a 200 answer carrying a ``reward`` reaches the

@@ -28,7 +28,7 @@ import sys
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -65,7 +65,7 @@ class Settings(BaseModel):
     error_type: ClassVar[type[SettingsError]] = SettingsError
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> Any:
+    def from_mapping(cls, values: Mapping[str, Any]) -> Self:
         """Build from a plain mapping (a YAML block, a hydra ``DictConfig``); wrong keys raise :attr:`error_type`."""
         values = plain_config(values)
         if not isinstance(values, Mapping):
@@ -91,7 +91,8 @@ def explain(exc: ValidationError, model: type[Settings]) -> str:
         else:
             message = error["msg"].removeprefix("Value error, ")
             value = error.get("input")
-            got = f" (got {value!r})" if isinstance(value, str | int | float | bool) or value is None else ""
+            # Numbers only: a string could be a URL with credentials in it.
+            got = f" (got {value!r})" if isinstance(value, int | float | bool) or value is None else ""
             lines.append(f"{key}: {message}{got}")
     return "invalid settings:\n  " + "\n  ".join(lines) if len(lines) > 1 else lines[0]
 
@@ -266,7 +267,7 @@ class JudgeConfig(Settings):
         return None if value in ("", "null") else value
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> JudgeConfig:
+    def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Self:
         """Read the ``judge`` block of a YAML file (or the whole file if it has none), then apply ``overrides``."""
         import yaml
 

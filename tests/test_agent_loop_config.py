@@ -72,6 +72,15 @@ def test_the_tool_configs_load_through_verl_as_one_browser_tool_or_nemo_gyms_fiv
         assert tool.tool_schema == default_tool_schema(tool.name)
 
 
+def test_the_class_paths_users_write_in_configs_keep_naming_the_loop_and_the_tool():
+    # Tool configs in the wild name the tool by its first home; the loop module re-exports it for them.
+    assert get_class("nemo_gym_browser.browser_agent_loop.BrowserTool") is BrowserTool
+    assert get_class("nemo_gym_browser.browser_agent_loop.BrowserToolAgentLoop") is BrowserToolAgentLoop
+    for name in ("browser_tool.yaml", "browser_native_tools.yaml"):
+        for entry in OmegaConf.load(AGENT_LOOP_YAML.parent / name).tools:
+            assert get_class(entry.class_name) is BrowserTool
+
+
 def test_a_browser_tool_with_a_foreign_name_is_a_config_error():
     with pytest.raises(ValueError, match="cannot be named 'search'"):
         BrowserTool({"type": "native", "name": "search"})

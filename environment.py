@@ -77,7 +77,9 @@ _BROWSER_GONE_MARKERS = (
 # observe takes no argument, so a failed observe can only be the browser's fault.
 _OBSERVE_FAILED_PREFIX = "observe failed:"
 _VERIFY_SESSION_NOT_FOUND = "session not found"
-# Longest pause between two tries of a close answered 5xx (they go on for close_timeout_s in all).
+# A close is tried again on a timeout or a 5xx for up to this many times close_timeout_s in all, pausing at most
+# _CLOSE_BACKOFF_CAP_S between tries.
+_CLOSE_TRIES = 3
 _CLOSE_BACKOFF_CAP_S = 2.0
 # A server's answer quoted in a failure reason: enough to act on, short enough for a log line.
 _DETAIL_CHARS = 300
@@ -497,9 +499,11 @@ class BrowserSession:
         self.closed = True
         body = _CloseRequest(resources_session_id=self.session_id, episode_id=self._episode).model_dump()
         try:
-            # Closing is idempotent, so a 5xx is retried too, for up to close_timeout_s in all: the server has no
-            # TTL, so a close given up on leaves its browser open for good.
-            give_up_at = time.monotonic() + self._config.close_timeout_s
+            # Closing is idempotent and the server has no TTL (a close given up on leaves its browser open for
+            # good), so a close that times out or answers 5xx is tried again, each try for close_timeout_s, until
+            # _CLOSE_TRIES times close_timeout_s have passed. A busy server can take longer than one try to close
+            # a browser; it finishes the first close anyway, and the next try then answers at once.
+            give_up_at = time.monotonic() + _CLOSE_TRIES * self._config.close_timeout_s
             attempt = 0
             while True:
                 try:
@@ -513,7 +517,8 @@ class BrowserSession:
                 except EnvironmentFailure as failure:
                     pause = min(self._config.retry_backoff_s * (2**attempt), _CLOSE_BACKOFF_CAP_S)
                     attempt += 1
-                    if failure.kind is FailureKind.SERVER_ERROR and time.monotonic() + pause < give_up_at:
+                    retried = failure.kind in (FailureKind.SERVER_ERROR, FailureKind.TIMEOUT)
+                    if retried and time.monotonic() + pause < give_up_at:
                         await asyncio.sleep(pause)
                         continue
                     logger.warning("session %s: close failed, the browser may stay open: %s", self.session_id, failure)

@@ -138,7 +138,12 @@ class EnvironmentConfig(Settings):
     )
     seed_timeout_s: float = Field(120.0, gt=0, description="Opening the browser on the task's start page.")
     verify_timeout_s: float = Field(60.0, gt=0, description="Grading the episode (/verify).")
-    close_timeout_s: float = Field(15.0, gt=0, description="Closing the session (retried on 5xx within this).")
+    close_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="One try of closing the session; a close that times out or answers 5xx is tried again, for up "
+        "to 3 times this in all (the server has no TTL: a close given up on leaves its browser open).",
+    )
     connect_timeout_s: float = Field(10.0, gt=0, description="Opening a TCP connection to a server.")
     transient_retries: int = Field(
         2, description="Retries of an idempotent call after a transport error that came before any answer."

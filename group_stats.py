@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-ESTIMATOR_NAME = "grpo_env_aware"
+from .wiring import ESTIMATOR_NAME
+
 # Same default as verl's compute_grpo_outcome_advantage, so unflagged results match bit for bit.
 DEFAULT_EPSILON = 1e-6
 _OUR_MARK = "_nemo_gym_browser_estimator"

@@ -53,24 +53,20 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from .wiring import (
+    CORE_ALGOS,
+    ESTIMATOR_NAME,
+    RAY_TRAINER,
+    TARGETS,
+    V1_TRAINER_BASE,
+    V1_UTILS,
+    PatchError,
+)
+
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "NEMO_GYM_BROWSER_PATCHES"
-FLAG_KEY = "env_invalid"
-EXTRA_FIELDS_KEY = "extra_fields"  # the single TransferQueue field holding AgentLoopOutput.extra_fields
-ESTIMATOR_NAME = "grpo_env_aware"  # == group_stats.ESTIMATOR_NAME; not imported so that this module stays torch-free
 REQUIRED_VERL_FILE = "REQUIRED_VERL.txt"  # KEY=VALUE, next to this module; VERL_VERSION is what the patches target
-INVALID_FRACTION_METRIC = "grpo_env_aware/invalid_fraction"
-# A JSONL path: when set, the V1 trainer appends one line per advantage computation with every sample's group, flag,
-# score and advantage, so what the estimator did inside a real run can be checked (and read) sample by sample.
-ADVANTAGE_LOG_ENV = "NEMO_GYM_BROWSER_ADVANTAGE_LOG"
-PADDING_TAG = "is_padding"  # V1: tag of the synthetic samples verl appends to make the batch divisible
-
-CORE_ALGOS = "verl.trainer.ppo.core_algos"
-RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
-V1_UTILS = "verl.trainer.ppo.v1.utils"
-V1_TRAINER_BASE = "verl.trainer.ppo.v1.trainer_base"
-TARGETS = (CORE_ALGOS, RAY_TRAINER, V1_UTILS, V1_TRAINER_BASE)  # in verl's own import order
 
 _ORIGINAL_ATTR = "__nemo_gym_browser_original__"
 _HOOK_ATTR = "nemo_gym_browser_post_import_hook"
@@ -79,10 +75,6 @@ _OFF_VALUES = frozenset({"0", "false", "no", "off"})
 _lock = threading.RLock()
 _wrappers: dict[Any, Callable[..., Any]] = {}  # original -> its one wrapper, so every binding shares it
 _logged: set[str] = set()
-
-
-class PatchError(RuntimeError):
-    """verl does not have the functions this recipe wraps where and how it expects them."""
 
 
 def patches_enabled() -> bool:

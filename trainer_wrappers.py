@@ -64,7 +64,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .patches import (
+from .wiring import (
     ADVANTAGE_LOG_ENV,
     CORE_ALGOS,
     ESTIMATOR_NAME,

@@ -43,18 +43,19 @@ from typing import Any
 
 from ..task_rows import DATA_SOURCE
 from ..testing.background_loop import BackgroundLoop
+from ..wiring import ESTIMATOR_NAME
 
 logger = logging.getLogger(__name__)
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = RECIPE_DIR / "configs"
 METRICS_FILE = "metrics.jsonl"
-ADVANTAGES_FILE = "advantages.jsonl"  # patches.ADVANTAGE_LOG_ENV: every sample's flag, score and advantage per step
+ADVANTAGES_FILE = "advantages.jsonl"  # wiring.ADVANTAGE_LOG_ENV: every sample's flag, score and advantage per step
 LOG_FILE = "main_ppo.log"
 CHECKPOINT_DIR = "checkpoints"
 STOCK_ESTIMATOR = "grpo"
 CPU_ROLLOUT = "hfcpu"  # cpu_backend.ROLLOUT_NAME, not imported here so that building a command imports nothing
-RECIPE_ESTIMATOR = "grpo_env_aware"
+RECIPE_ESTIMATOR = ESTIMATOR_NAME
 # A stopped run's process group gets this long after SIGTERM (Ray shuts its workers down) before SIGKILL.
 STOP_GRACE_S = 20.0
 # Where injected faults strike: "verify" spoils a share of sessions after the policy acted (random_faults);

@@ -21,7 +21,7 @@ from verl.trainer.ppo import core_algos, ray_trainer
 from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1 import utils as v1_utils
 
-from nemo_gym_browser import patches
+from nemo_gym_browser import patches, wiring
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 300
@@ -460,12 +460,12 @@ def test_v1_compute_advantage_keeps_an_invalid_sample_out_of_its_groups_baseline
     )
     values, metrics = run_v1(tq, keys, v1_trainer())
     assert [round(values[key], 5) for key in keys] == [0.66667, 0.0, -0.33333, -0.33333]
-    assert metrics[patches.INVALID_FRACTION_METRIC] == 0.25
+    assert metrics[wiring.INVALID_FRACTION_METRIC] == 0.25
 
 
 def test_v1_advantage_log_records_every_samples_group_flag_score_and_advantage(tq, tmp_path, monkeypatch):
     log = tmp_path / "advantages.jsonl"
-    monkeypatch.setenv(patches.ADVANTAGE_LOG_ENV, str(log))
+    monkeypatch.setenv(wiring.ADVANTAGE_LOG_ENV, str(log))
     uid = new_uid()
     keys = put_group(
         uid,
@@ -533,7 +533,7 @@ def test_v1_batch_without_flags_is_computed_by_stock_verl_untouched(tq):
         stock, _ = run_v1(tq, keys, v1_trainer(norm=norm), stock=True)
         ours, metrics = run_v1(tq, keys, v1_trainer(norm=norm))
         assert stock == ours
-        assert patches.INVALID_FRACTION_METRIC not in metrics
+        assert wiring.INVALID_FRACTION_METRIC not in metrics
 
 
 def test_v1_flags_on_a_non_grpo_estimator_change_nothing(tq):
@@ -542,7 +542,7 @@ def test_v1_flags_on_a_non_grpo_estimator_change_nothing(tq):
     stock, _ = run_v1(tq, keys, v1_trainer("rloo"), stock=True)
     ours, metrics = run_v1(tq, keys, v1_trainer("rloo"))
     assert stock == ours
-    assert patches.INVALID_FRACTION_METRIC not in metrics
+    assert wiring.INVALID_FRACTION_METRIC not in metrics
 
 
 def test_a_ray_worker_with_the_recipe_folder_on_its_pythonpath_is_wired_by_sitecustomize(tq, tmp_path):

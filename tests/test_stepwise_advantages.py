@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from test_patches import new_uid, output, put_group, run_v1, v1_trainer
 
-from nemo_gym_browser import patches
+from nemo_gym_browser import wiring
 from nemo_gym_browser.episode_metrics import episode_metrics
 
 
@@ -51,7 +51,7 @@ def test_grpo_compares_episodes_and_gives_every_step_its_episodes_advantage(tq, 
         steps = [key for key in keys if key.startswith(f"{uid}_{session}_")]
         assert [values[key] for key in steps] == pytest.approx([want] * len(steps), abs=1e-5), session
     # a baseline over step samples would have been 8/9 (eight valid steps score 1, one scores 0), not 2/3
-    assert metrics[patches.INVALID_FRACTION_METRIC] == 0.25  # one episode of four, not 2 step samples of 11
+    assert metrics[wiring.INVALID_FRACTION_METRIC] == 0.25  # one episode of four, not 2 step samples of 11
 
 
 def test_a_long_episode_counts_once_in_the_baseline_however_many_steps_it_has(tq):

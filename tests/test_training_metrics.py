@@ -33,7 +33,7 @@ from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1.utils import MetricsAggregator
 from verl.utils.dataset.rl_dataset import collate_fn
 
-from nemo_gym_browser import dropped_rollouts, patches
+from nemo_gym_browser import dropped_rollouts, patches, wiring
 from nemo_gym_browser.episode_metrics import FAILURE_KINDS, FLAG_KEYS, episode_metrics, metrics_from_columns
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config, make_row
@@ -261,7 +261,7 @@ async def test_the_v1_step_metrics_carry_the_env_metrics_of_the_real_samples_onl
     assert_env_metrics(metrics)  # env/samples == 3: the padding sample is not counted
     assert metrics["critic/score/mean"] == pytest.approx(2 / 3)  # verl's own keys, in the same dict
     assert metrics["training/num_turns/mean"] > 0
-    assert metrics[patches.INVALID_FRACTION_METRIC] == pytest.approx(1 / 3)
+    assert metrics[wiring.INVALID_FRACTION_METRIC] == pytest.approx(1 / 3)
     assert server.open_sessions == 0
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)  # what fit does after logging
 
@@ -378,7 +378,7 @@ async def test_a_v1_step_without_flags_gets_exactly_verls_metrics(server, model_
     stock: dict = {}
     trainer_base.PPOTrainer._compute_metrics.__wrapped__(trainer, batch, stock, {"step": 1.0}, global_steps=1, epoch=0)
 
-    assert not any(key.startswith("env/") for key in metrics) and patches.INVALID_FRACTION_METRIC not in metrics
+    assert not any(key.startswith("env/") for key in metrics) and wiring.INVALID_FRACTION_METRIC not in metrics
     assert set(stock) <= set(metrics)
     assert {key: metrics[key] for key in stock} == stock
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)

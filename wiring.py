@@ -1,0 +1,44 @@
+"""The names the recipe's trainer wiring shares with verl and with itself: one definition each.
+
+``patches.py`` (installing the wrappers, imported at interpreter start-up) and ``trainer_wrappers.py`` (what the
+wrappers do) both read these, and so do the estimator and the local training stack. Standard library only: importing
+this module imports neither torch nor verl.
+"""
+
+from __future__ import annotations
+
+FLAG_KEY = "env_invalid"  # the per-sample flag: the infrastructure failed this rollout beyond its retries
+EXTRA_FIELDS_KEY = "extra_fields"  # the single TransferQueue field holding AgentLoopOutput.extra_fields
+ESTIMATOR_NAME = "grpo_env_aware"  # the advantage estimator's name in verl's registry
+INVALID_FRACTION_METRIC = "grpo_env_aware/invalid_fraction"
+# A JSONL path: when set, the V1 trainer appends one line per advantage computation with every sample's group, flag,
+# score and advantage, so what the estimator did inside a real run can be checked (and read) sample by sample.
+ADVANTAGE_LOG_ENV = "NEMO_GYM_BROWSER_ADVANTAGE_LOG"
+PADDING_TAG = "is_padding"  # V1: tag of the synthetic samples verl appends to make the batch divisible
+
+# The verl modules the wiring patches, in verl's own import order.
+CORE_ALGOS = "verl.trainer.ppo.core_algos"
+RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
+V1_UTILS = "verl.trainer.ppo.v1.utils"
+V1_TRAINER_BASE = "verl.trainer.ppo.v1.trainer_base"
+TARGETS = (CORE_ALGOS, RAY_TRAINER, V1_UTILS, V1_TRAINER_BASE)
+
+
+class PatchError(RuntimeError):
+    """verl does not have the functions this recipe wraps where and how it expects them."""
+
+
+__all__ = [
+    "ADVANTAGE_LOG_ENV",
+    "CORE_ALGOS",
+    "ESTIMATOR_NAME",
+    "EXTRA_FIELDS_KEY",
+    "FLAG_KEY",
+    "INVALID_FRACTION_METRIC",
+    "PADDING_TAG",
+    "RAY_TRAINER",
+    "TARGETS",
+    "V1_TRAINER_BASE",
+    "V1_UTILS",
+    "PatchError",
+]

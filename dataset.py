@@ -15,7 +15,7 @@ What it reads
     the server would answer 500 or grade on another key than it names at verify time is refused at load time with
     its ``file:line`` (:class:`RowError`).
 
-What each sample holds (the contract with ``browser_agent_loop.py``; every key is present in every sample, so
+What each sample holds (the contract with ``episode.EpisodeSpec``; every key is present in every sample, so
 verl's ``collate_fn`` makes one column per key)
     ``raw_prompt``       chat messages ``[{"role", "content"}]`` (``developer`` becomes ``system``)
     ``tools_kwargs``     ``{tool: {"create_kwargs": EPISODE}}`` for ``browser`` and for each of NeMo Gym's five

@@ -41,8 +41,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.environment import EnvironmentClient
 from nemo_gym_browser.placement import Placement, StaticSharePlacement, static_share
+from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import describe_machine, header
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 from nemo_gym_browser.testing.private_ray import private_ray

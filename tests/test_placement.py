@@ -14,8 +14,9 @@ import uuid
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure
+from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure
 from nemo_gym_browser.placement import Grant, PlacementAuthority, SessionTicket, StaticSharePlacement, static_share
+from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 START = "site/index.html"

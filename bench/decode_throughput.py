@@ -14,7 +14,7 @@ every figure:
 A figure is generated tokens divided by the wall time from the first request sent to the last answer (prefills
 included, as in a rollout). Each request samples from its own seeded stream, so both servers should return the
 same tokens; the ``same`` column counts the requests whose tokens agree (a float-rounding difference of the padded
-batch can, rarely, move a sampled token). Shapes: ``tiny`` is ``tiny_policy.ModelSpec()`` (the project's policy,
+batch can, rarely, move a sampled token). Shapes: ``tiny`` is ``policy_model.ModelSpec()`` (the project's policy,
 ~194k parameters with its tokenizer); ``larger`` is a 4-layer, 256-wide Qwen2 (~4.2M parameters).
 
 examples:
@@ -40,15 +40,17 @@ from pathlib import Path
 import torch
 from verl.workers.config import RolloutConfig
 
-from nemo_gym_browser.local import tiny_policy
+from nemo_gym_browser.local import policy_model
 from nemo_gym_browser.local.cpu_backend import ROLLOUT_NAME
 from nemo_gym_browser.local.cpu_backend.server import HFCpuServer
 from nemo_gym_browser.testing.benchmarking import describe_machine, header
 
 HERE = Path(__file__).resolve().parent
 SHAPES = {
-    "tiny": tiny_policy.ModelSpec(),
-    "larger": tiny_policy.ModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024),
+    "tiny": policy_model.ModelSpec(),
+    "larger": policy_model.ModelSpec(
+        hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024
+    ),
 }
 MODES = ("serial", "batched")
 CALL_TIMEOUT_S = 3600.0  # a whole wave of requests on the slow path; bounds a hung server, not a slow one
@@ -68,13 +70,13 @@ class Row:
         return self.batched_tokens_per_s / self.serial_tokens_per_s
 
 
-def write_policy(folder: Path, spec: tiny_policy.ModelSpec, seed: int) -> int:
+def write_policy(folder: Path, spec: policy_model.ModelSpec, seed: int) -> int:
     """A seeded, untrained model of this shape with the policy's tokenizer (throughput does not need training)."""
-    tokenizer = tiny_policy.policy_tokenizer()
-    model = tiny_policy.build_model(tokenizer, spec, seed)
+    tokenizer = policy_model.policy_tokenizer()
+    model = policy_model.build_model(tokenizer, spec, seed)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return tiny_policy.parameter_count(model)
+    return policy_model.parameter_count(model)
 
 
 def prompts_for(count: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
@@ -85,8 +87,8 @@ def prompts_for(count: int, lengths: tuple[int, int], vocab: int, seed: int) -> 
 def make_server(folder: Path, max_batch_size: int, threads: int, seed: int) -> HFCpuServer:
     config = RolloutConfig(
         name=ROLLOUT_NAME,
-        prompt_length=tiny_policy.PROMPT_LENGTH,
-        response_length=tiny_policy.RESPONSE_LENGTH,
+        prompt_length=policy_model.PROMPT_LENGTH,
+        response_length=policy_model.RESPONSE_LENGTH,
         tensor_model_parallel_size=1,
         dtype="float32",
         load_format="auto",
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = None
     if min(args.concurrency) < 1 or args.max_tokens < 1 or args.threads < 1 or not 1 <= low <= high:
         problem = "--concurrency, --max-tokens and --threads must be positive, --prompt-tokens MIN <= MAX"
-    elif high + args.max_tokens > tiny_policy.PROMPT_LENGTH + tiny_policy.RESPONSE_LENGTH:
+    elif high + args.max_tokens > policy_model.PROMPT_LENGTH + policy_model.RESPONSE_LENGTH:
         problem = "--prompt-tokens MAX plus --max-tokens exceeds the tiny policy's context"
     if problem:
         print(f"decode_throughput.py: error: {problem}", file=sys.stderr)
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             folder = Path(workdir) / shape
             parameters = write_policy(folder, SHAPES[shape], args.seed)
-            vocab = len(tiny_policy.policy_tokenizer())
+            vocab = len(policy_model.policy_tokenizer())
             for concurrency in args.concurrency:
                 prompts = prompts_for(concurrency, (low, high), vocab, args.seed)
                 serial, batched, same = asyncio.run(measure(folder, prompts, args))

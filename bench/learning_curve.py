@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_browser.local import injected_faults as inj
+from nemo_gym_browser.local import main_ppo_process as mp
+from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import shop_tasks
 from nemo_gym_browser.local import training_run as tr
 from nemo_gym_browser.prepare_webvoyager_data import prepare_rows
@@ -63,7 +66,7 @@ def validation_rows(rows: Path, split: str, output: Path, limit: int) -> tuple[P
 def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: str, data: dict[str, Any]) -> Any:
     n = args.val_samples
     overrides = [
-        f"data.val_files=[{tr._hydra_string(data['val'][0])},{tr._hydra_string(data['val'][1])}]",
+        f"data.val_files=[{rs.hydra_string(data['val'][0])},{rs.hydra_string(data['val'][1])}]",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         f"actor_rollout_ref.rollout.val_kwargs.n={n}",
@@ -72,7 +75,7 @@ def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url:
     ]
     if arm == "stock":
         overrides.append("+nemo_gym_browser.train_on_failures=True")
-    return tr.RunSpec(
+    return rs.RunSpec(
         model_path=data["model"],
         train_file=data["train"],
         val_file=data["val"][0],
@@ -82,13 +85,13 @@ def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url:
         prompts_per_step=args.prompts_per_step,
         group_size=args.group_size,
         max_assistant_turns=4,
-        estimator=tr.RECIPE_ESTIMATOR if arm == "recipe" else tr.STOCK_ESTIMATOR,
+        estimator=rs.RECIPE_ESTIMATOR if arm == "recipe" else rs.STOCK_ESTIMATOR,
         lr=args.lr,
         test_freq=args.eval_every,
         val_before_train=True,
         seed=seed,
         extra_overrides=tuple(overrides),
-        faults=tr.FaultSpec(rate=rate, at="browser-call", kind=args.fault_kind),
+        faults=inj.FaultSpec(rate=rate, at="browser-call", kind=args.fault_kind),
     )
 
 
@@ -112,8 +115,8 @@ def evaluated(steps: dict[int, dict[str, Any]], n: int) -> dict[int, dict[str, f
 
 def run_one(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: str, data: dict[str, Any]) -> dict:
     spec = run_spec(args, arm=arm, seed=seed, rate=rate, url=url, data=data)
-    with tr.InjectedFaults(url, spec.faults.rule(seed, spare_tasks=data["val_ids"])) as faults:
-        result = tr.run_main_ppo(spec.replace(server_urls=(faults.url,)), timeout_s=args.timeout)
+    with inj.InjectedFaults(url, spec.faults.rule(seed, spare_tasks=data["val_ids"])) as faults:
+        result = mp.run_main_ppo(spec.replace(server_urls=(faults.url,)), timeout_s=args.timeout)
         injected = faults.counts()
         left_open = len(faults.open_session_ids)
     if not result.ok:
@@ -254,7 +257,7 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--stock-at-zero", action="store_true",
                         help="also run the stock arm at rate 0, where it produces the recipe's episodes "
                         "(tests/test_main_ppo_determinism.py); skipped by default")  # fmt: skip
-    parser.add_argument("--fault-kind", choices=tr.FAULT_KINDS, default="lose_session",
+    parser.add_argument("--fault-kind", choices=inj.FAULT_KINDS, default="lose_session",
                         help="what a failed browser call meets (default %(default)s)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (%(default)s)")
     parser.add_argument("--eval-every", type=int, default=2, help="validate every N steps (%(default)s)")

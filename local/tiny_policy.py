@@ -1,36 +1,12 @@
-"""A tiny policy that can act in the Corner Shop: a small Qwen2 causal LM, warm-started on CPU in seconds.
+"""The tiny policy for the Corner Shop, built and measured from the command line (see the README's "A tiny policy").
 
-What this module owns
-    * The policy's tokenizer (:func:`policy_tokenizer`): the in-process tokenizer of :mod:`.tokenizer` (hermes
-      tool-call chat template) with its vocabulary trained on the shop's prompts, pages and tool calls too, so an
-      item name is one token and an episode costs about half the tokens.
-    * The model (:func:`build_model`): a ``Qwen2ForCausalLM`` made from a config (:class:`ModelSpec`), seeded;
-      nothing is downloaded.
-    * The demonstrations (:func:`collect_demonstrations`): the recipe's real ``BrowserToolAgentLoop`` plays the
-      scripted shop policy (:func:`.shop_tasks.script_for`) on the training tasks, prepared by
-      ``prepare_webvoyager_data.py`` like any user's task list, against the fake environment server. What is kept
-      is exactly what the loop produced: ``prompt_ids``, ``response_ids`` and ``response_mask``.
-    * The supervised warm start (:func:`warm_start`): next-token loss on the tokens the loop marked as the model's
-      (``response_mask == 1``), never on the prompt or on tool responses.
-    * :func:`build`: all of it, written as a model folder that verl's ``HFModelConfig`` and transformers'
-      ``AutoModelForCausalLM`` load (``config.json``, weights, tokenizer files, ``warm_start.json`` with the
-      measurements).
+:func:`build` makes the tokenizer and the model (:mod:`.policy_model`), warm-starts it on demonstrations
+(:mod:`.warm_start`) and writes a model folder that verl's ``HFModelConfig`` and transformers'
+``AutoModelForCausalLM`` load: ``config.json``, weights, tokenizer files and :data:`REPORT_FILE` with the
+settings and measurements. :func:`build_deal` builds the deal policy in two phases (shipped as
+:data:`DEAL_POLICY_DIR`). ``evaluate`` measures a folder with :mod:`.policy_evaluation`.
 
-Leaving room for RL, and what the warm start does not give
-    The demonstrations always act in the right format and order (observe, the kind's actions, finish), on copies
-    of the shop whose links are listed in a shuffled order, and pick the element the task names with probability
-    ``correct`` (default 0.4), otherwise uniformly among the plausible ones. Measured with the defaults (194,560
-    parameters, 300 steps, about 110 s on 2 shared cores): the policy writes a well-formed browser call in 96-97 %
-    of its sampled turns and 100 % of its greedy ones, but its choices do not depend on the task yet: success at
-    temperature 1 is 12 % on the training tasks and 8 % on the held-back ones, near what uniform picks give. A
-    model this size trained from scratch did not learn to look the named word up in its context (task word to
-    element id, or to the typed text) within 600 steps in any variant tried (up to 630k parameters, 3 layers,
-    learning rates 1e-3 to 1e-2, solver-only demonstrations, prompts without the shared prefix), so RL on these
-    tasks should not be expected to lift the held-back success within a CPU run of a few dozen steps.
-
-Guarantees
-    Deterministic for a seed and a thread count: the same seed gives the same demonstrations, the same initial
-    weights and the same trained weights. CPU only, no network, everything stays in the output folder.
+Deterministic for a seed and a thread count; CPU only, no network, everything stays in the output folder.
 """
 
 from __future__ import annotations
@@ -39,9 +15,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
-import random
-import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -50,53 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
-from ..testing import scripted_policy as sp
-from ..testing.tokenizer import build_test_tokenizer
 from . import shop_tasks
-
-logger = logging.getLogger(__name__)
+from .policy_evaluation import evaluate
+from .policy_model import ModelSpec, build_model, parameter_count, policy_tokenizer
+from .warm_start import WarmStartSpec, collect_demonstrations, load_samples, warm_start
 
 REPORT_FILE = "warm_start.json"
-# The loop renders observations of up to 8192 characters; the shop's are ~150-350, so episodes stay short.
-PROMPT_LENGTH = 2048
-RESPONSE_LENGTH = 4096
-ACTIONS = frozenset({"observe", "navigate", "click", "type", "finish"})
-# A demonstration's turns run to ~30 tokens each; a generated turn longer than this is not a tool call any more.
-MAX_TURN_TOKENS = 96
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of the policy (a Qwen2 decoder; ``hidden_size`` must be a multiple of ``num_heads``)."""
-
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    max_position_embeddings: int = 8192
-    # The spread of the initial weights. transformers' 0.02 leaves a model this small on a long plateau before it
-    # learns to point at anything in its context; 0.1 escapes it (measured on the deal suite, see the README).
-    initializer_range: float = 0.02
-
-
-@dataclass(frozen=True)
-class WarmStartSpec:
-    """The supervised warm start: demonstrations per training task, how often they pick the named element, and
-    the optimiser (AdamW, linear warm-up then cosine decay to a tenth)."""
-
-    correct: float = 0.4
-    guess: float = 0.5  # deal tasks: the share of demonstrations that answer at once, without the browser
-    demos_per_task: int = 2
-    steps: int = 300
-    batch_size: int = 8
-    lr: float = 1e-2
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    seed: int = 0
-
 
 # The deal tasks' policy (build_deal; shipped as DEAL_POLICY_DIR). Two phases: solver demonstrations (always read
 # the board) until reading the mark is in the policy's repertoire (3,000 steps: at 400 and 1,500 it read the mark
@@ -110,20 +44,6 @@ DEAL_SOLVER = WarmStartSpec(correct=1.0, guess=0.0, demos_per_task=1, steps=3000
 DEAL_MIXED = WarmStartSpec(correct=1.0, guess=0.75, demos_per_task=1, steps=200, batch_size=32, lr=1e-3,
                            warmup_steps=20, seed=1)  # fmt: skip
 DEAL_POLICY_DIR = Path(__file__).resolve().parent / "deal_policy"
-
-
-@dataclass
-class Demonstration:
-    task_id: str
-    kind: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    reward: float | None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
 
 
 @dataclass
@@ -141,254 +61,11 @@ class WarmStartReport:
     start_from: dict[str, Any] | None = None  # the report of the folder this one continued from, losses left out
 
 
-# ----- tokenizer and model --------------------------------------------------------------------------------------
-
-
-def corpus_lines() -> list[str]:
-    """Text shaped like the shop's traffic, for the tokenizer's vocabulary: prompts, observations, tool calls."""
-    from ..task_rows import SYSTEM_PROMPT_BROWSER, USER_PROMPT
-
-    lines = SYSTEM_PROMPT_BROWSER.splitlines()
-    for record in shop_tasks.records_by_id().values():
-        lines.append(USER_PROMPT.format(question=record["ques"], site=record["web_name"], url=record["web"]))
-    site = shop_tasks.fake_site()
-    for url in site.urls:
-        page = site.page(url)
-        lines += [f"URL: {url}", f"TITLE: {page.title}", "ELEMENTS:"]
-        lines += [f"  [{i}] {element.tag}: {element.name}" for i, element in enumerate(page.elements)]
-        lines += ["TEXT:", "  " + " ".join(page.text.split())]
-    for board in shop_tasks.deal_boards()[:24]:
-        page = site.page(shop_tasks.page_url(board.file))
-        lines += [f"  [{i}] {element.tag}: {element.name}" for i, element in enumerate(page.elements)]
-        lines += ["TEXT:", "  " + " ".join(page.text.split())]
-    for i in range(10):
-        lines += [shop_tasks.call("click", element_id=i), f"  [{i}] a: Home"]
-    for item in shop_tasks.items():
-        lines.append(shop_tasks.call("type", element_id=6, text=item.slug))
-        lines.append(shop_tasks.call("finish", answer=f" {item.price}"))
-        lines.append(shop_tasks.call("finish", answer=f" {item.name}"))
-    lines += [shop_tasks.call("observe"), shop_tasks.call("finish", answer=shop_tasks.DONE_ANSWER)]
-    return lines
-
-
-def policy_tokenizer() -> PreTrainedTokenizerFast:
-    return build_test_tokenizer(extra_corpus=corpus_lines())
-
-
-def build_model(tokenizer: PreTrainedTokenizerFast, spec: ModelSpec, seed: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
-
-
-def parameter_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-# ----- demonstrations -------------------------------------------------------------------------------------------
-
-
-def load_samples(task_file: Path, workdir: Path) -> list[dict[str, Any]]:
-    """The verl samples of a task file, as ``BrowserJSONLDataset`` gives them to the agent loop."""
-    from ..dataset import BrowserJSONLDataset
-    from ..prepare_webvoyager_data import prepare_rows
-
-    dataset = BrowserJSONLDataset(str(prepare_rows(task_file, workdir / task_file.stem)))
-    return [dataset[i] for i in range(len(dataset))]
-
-
-async def collect_demonstrations(
-    tokenizer: PreTrainedTokenizerFast,
-    samples: Sequence[dict[str, Any]],
-    *,
-    correct: float,
-    per_task: int,
-    seed: int,
-    guess: float = 0.0,
-    shuffle: bool = True,
-) -> list[Demonstration]:
-    """``per_task`` scripted episodes of each sample through the real loop against a fake environment server.
-
-    With ``shuffle`` each round of episodes runs on a copy of the shop whose links are listed in another seeded
-    order, so the element the task names is at a different position from round to round. A ``deal`` task answers
-    at once from memory with probability ``guess`` (:func:`.shop_tasks.deal_script`).
-    """
-    from ..browser_agent_loop import close_shared_clients
-    from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from ..testing.fake_environment import FakeEnvironmentServer
-
-    records = shop_tasks.records_by_id()
-    config = compose_trainer_config(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH)
-    tools = load_tools()
-    demonstrations = []
-    try:
-        for repeat in range(per_task):
-            # Each round plays every task on its own shuffled copy of the shop.
-            site = shop_tasks.fake_site(order_seed=f"{seed}:{repeat}" if shuffle else None)
-            async with FakeEnvironmentServer(site=site) as server:
-                for sample in samples:
-                    task_id = sample["extra_info"]["task_id"]
-                    record = records[task_id]
-                    chooser = shop_tasks.Chooser(correct, random.Random(f"{seed}:{task_id}:{repeat}"))
-                    if record["kind"] == "deal":
-                        script = shop_tasks.deal_script(record, chooser, guess)
-                    else:
-                        script = shop_tasks.script_for(record, chooser)
-                    policy = sp.ScriptedPolicy(tokenizer, script)
-                    loop = build_loop(
-                        policy,
-                        tokenizer=tokenizer,
-                        tools=tools,
-                        trainer_config=config,
-                        environment={"server_urls": [server.url]},
-                    )
-                    output = await loop.run({}, **sample)
-                    if output.extra_fields.get("env_invalid"):
-                        failure = output.extra_fields.get("env_failure_reason")
-                        raise RuntimeError(f"the fake server failed a demonstration of {task_id}: {failure}")
-                    demonstrations.append(
-                        Demonstration(
-                            task_id=task_id,
-                            kind=record["kind"],
-                            prompt_ids=list(output.prompt_ids),
-                            response_ids=list(output.response_ids),
-                            response_mask=list(output.response_mask),
-                            reward=output.reward_score,
-                        )
-                    )
-    finally:
-        await close_shared_clients()
-    return demonstrations
-
-
-# ----- the warm start -------------------------------------------------------------------------------------------
-
-
-def common_prefix_length(demos: Sequence[Demonstration]) -> int:
-    """How many leading tokens every demonstration shares (the system prompt and the tools, at least)."""
-    sequences = [demo.prompt_ids for demo in demos]
-    shortest = min(len(ids) for ids in sequences)
-    length = 0
-    while length < shortest and all(ids[length] == sequences[0][length] for ids in sequences):
-        length += 1
-    return length
-
-
-def _batch(demos: Sequence[Demonstration], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 except on the model's own tokens)."""
-    width = max(demo.length for demo in demos)
-    input_ids = torch.full((len(demos), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(demos), width), dtype=torch.long)
-    labels = torch.full((len(demos), width), -100, dtype=torch.long)
-    for row, demo in enumerate(demos):
-        ids = torch.tensor(demo.prompt_ids + demo.response_ids)
-        mask = torch.tensor([0] * len(demo.prompt_ids) + demo.response_mask, dtype=torch.bool)
-        input_ids[row, : len(ids)] = ids
-        attention[row, : len(ids)] = 1
-        labels[row, : len(ids)] = torch.where(mask, ids, -100)
-    return input_ids, attention, labels
-
-
-def demonstration_loss(
-    model: Qwen2ForCausalLM, demos: Sequence[Demonstration], pad_id: int, prefix: int
-) -> torch.Tensor:
-    """Mean next-token loss on the model's own tokens of ``demos``, the same as a plain forward pass would give.
-
-    The first ``prefix`` tokens (shared by every demonstration, see :func:`common_prefix_length`) run once and
-    their keys and values are shared by the batch, and the output layer runs only where there is a label: the
-    two costs that dominate a batch of long prompts with short answers.
-    """
-    input_ids, attention, labels = _batch(demos, pad_id)
-    batch, width = input_ids.shape
-    prefix = min(prefix, width - 1)
-    cache = None
-    if prefix > 0:
-        shared = model.model(input_ids=input_ids[:1, :prefix], use_cache=True).past_key_values
-        layers = [
-            (layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1)) for layer in shared.layers
-        ]
-        cache = DynamicCache(ddp_cache_data=layers, config=model.config)
-    positions = torch.arange(prefix, width).expand(batch, -1)
-    hidden = model.model(
-        input_ids=input_ids[:, prefix:],
-        attention_mask=attention,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=cache is not None,
-    ).last_hidden_state
-    # position t predicts token t + 1; no label falls inside the shared prefix (it is prompt)
-    targets = labels[:, prefix + 1 :]
-    labelled = targets != -100
-    logits = model.lm_head(hidden[:, :-1][labelled])
-    return torch.nn.functional.cross_entropy(logits.float(), targets[labelled])
-
-
-def _lr_factor(step: int, spec: WarmStartSpec) -> float:
-    if step < spec.warmup_steps:
-        return (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(spec.steps - spec.warmup_steps, 1)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def warm_start(
-    model: Qwen2ForCausalLM, demos: Sequence[Demonstration], spec: WarmStartSpec, pad_id: int
-) -> list[float]:
-    """Train ``model`` in place on the demonstrations; returns the loss of every step.
-
-    Each step takes ``batch_size`` demonstrations from a seeded shuffle (a new one per pass over the data).
-    """
-    if not demos:
-        raise ValueError("no demonstrations to learn from")
-    rng = random.Random(spec.seed)
-    prefix = common_prefix_length(demos)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.98))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, spec))
-    order: list[int] = []
-    losses = []
-    model.train()
-    for _ in range(spec.steps):
-        if len(order) < spec.batch_size:
-            fresh = list(range(len(demos)))
-            rng.shuffle(fresh)
-            order += fresh
-        chosen, order = order[: spec.batch_size], order[spec.batch_size :]
-        loss = demonstration_loss(model, [demos[i] for i in chosen], pad_id, prefix)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
-
-
-# ----- all of it ------------------------------------------------------------------------------------------------
-
-
 def build(
     output_dir: Path,
     *,
-    model_spec: ModelSpec = ModelSpec(),
-    warm: WarmStartSpec = WarmStartSpec(),
+    model_spec: ModelSpec = ModelSpec(),  # noqa: B008 (frozen)
+    warm: WarmStartSpec = WarmStartSpec(),  # noqa: B008 (frozen)
     task_file: Path = shop_tasks.TRAIN_FILE,
     start_from: Path | None = None,
 ) -> WarmStartReport:
@@ -474,149 +151,6 @@ def build_deal(output_dir: Path, *, seed: int = 0, solver_dir: Path | None = Non
         task_file=shop_tasks.DEAL_TRAIN_FILE,
         start_from=solver_dir,
     )
-
-
-# ----- evaluation -----------------------------------------------------------------------------------------------
-
-
-class PolicyServer:
-    """verl's server-manager call (``generate(request_id, *, prompt_ids, sampling_params)``) over an in-process
-    ``hfcpu`` rollout server (:mod:`.cpu_backend.server`), counting the turns that are one well-formed tool call."""
-
-    def __init__(self, model_dir: Path, *, seed: int = 0) -> None:
-        from verl.workers.config import RolloutConfig
-
-        from .cpu_backend import ROLLOUT_NAME
-        from .cpu_backend.server import HFCpuServer
-
-        rollout = RolloutConfig(
-            name=ROLLOUT_NAME,
-            prompt_length=PROMPT_LENGTH,
-            response_length=RESPONSE_LENGTH,
-            tensor_model_parallel_size=1,
-            dtype="float32",
-            load_format="auto",
-            seed=seed,
-        )
-        threads = torch.get_num_threads()  # the server sets the process's thread count; keep the caller's
-        self.server = HFCpuServer(rollout, {"path": str(model_dir), "override_config": {"attn_implementation": "sdpa"}})
-        torch.set_num_threads(threads)
-        self.tokenizer = self.server.model_config.tokenizer
-        self.turns = 0
-        self.tool_calls = 0
-        self.generated_tokens = 0
-
-    async def generate(
-        self, request_id: str, *, prompt_ids: Sequence[int], sampling_params: dict[str, Any], **kwargs: Any
-    ) -> Any:
-        output = await self.server.generate(prompt_ids, sampling_params, request_id)
-        self.turns += 1
-        self.generated_tokens += len(output.token_ids)
-        self.tool_calls += is_tool_call(self.tokenizer.decode(output.token_ids, skip_special_tokens=True))
-        return output
-
-
-def is_tool_call(text: str) -> bool:
-    """Whether a generated turn is exactly one hermes call of the ``browser`` tool with a known action."""
-    blocks = re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL)
-    if len(blocks) != 1 or text.replace(blocks[0], "").strip() != "<tool_call></tool_call>":
-        return False
-    try:
-        call = json.loads(blocks[0])
-    except json.JSONDecodeError:
-        return False
-    arguments = call.get("arguments") if isinstance(call, dict) else None
-    return call.get("name") == "browser" and isinstance(arguments, dict) and arguments.get("action") in ACTIONS
-
-
-@dataclass
-class EvaluationResult:
-    split: str
-    temperature: float
-    episodes: int
-    success: float
-    success_by_kind: dict[str, float]
-    tool_call_rate: float
-    browsed: float  # the share of episodes that acted on the page before answering
-    tokens_per_episode: float
-    generated_tokens_per_episode: float
-    seconds: float
-    episodes_played: list[tuple[str, float, int]] = field(default_factory=list)  # (task id, reward, browser calls)
-
-
-async def evaluate(
-    model_dir: Path,
-    samples: dict[str, Sequence[dict[str, Any]]],
-    *,
-    temperatures: Sequence[float] = (1.0, 0.0),
-    episodes_per_task: int = 1,
-    seed: int = 0,
-    max_turn_tokens: int = MAX_TURN_TOKENS,
-    max_assistant_turns: int = 8,
-) -> list[EvaluationResult]:
-    """Success of the policy in ``model_dir`` on each split's samples, through the real loop against the fake server.
-
-    Sampled episodes (``temperature > 0``) run ``episodes_per_task`` times per task; greedy ones once.
-    """
-    from ..browser_agent_loop import close_shared_clients
-    from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from ..testing.fake_environment import FakeEnvironmentServer
-
-    records = shop_tasks.records_by_id()
-    config = compose_trainer_config(
-        prompt_length=PROMPT_LENGTH,
-        response_length=RESPONSE_LENGTH,
-        overrides=[f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={max_assistant_turns}"],
-    )
-    tools = load_tools()
-    policy = PolicyServer(model_dir, seed=seed)
-    results = []
-    try:
-        async with FakeEnvironmentServer(site=shop_tasks.fake_site()) as server:
-            for temperature in temperatures:
-                sampling = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "max_tokens": max_turn_tokens}
-                for split, split_samples in samples.items():
-                    started, turns, calls, generated = time.monotonic(), policy.turns, policy.tool_calls, 0
-                    rewards: dict[str, list[float]] = {}
-                    tokens, browsed, played = [], [], []
-                    for sample in split_samples:
-                        for _ in range(episodes_per_task if temperature > 0 else 1):
-                            before = policy.generated_tokens
-                            loop = build_loop(
-                                policy,
-                                tokenizer=policy.tokenizer,
-                                tools=tools,
-                                trainer_config=config,
-                                environment={"server_urls": [server.url]},
-                            )
-                            output = await loop.run(dict(sampling), **sample)
-                            kind = records[sample["extra_info"]["task_id"]]["kind"]
-                            rewards.setdefault(kind, []).append(output.reward_score or 0.0)
-                            tokens.append(len(output.prompt_ids) + len(output.response_ids))
-                            actions = int(output.extra_fields.get("env_browser_actions", 0))
-                            browsed.append(actions > 0)
-                            played.append((sample["extra_info"]["task_id"], output.reward_score or 0.0, actions))
-                            generated += policy.generated_tokens - before
-                    every = [reward for kind_rewards in rewards.values() for reward in kind_rewards]
-                    results.append(
-                        EvaluationResult(
-                            split=split,
-                            temperature=temperature,
-                            episodes=len(every),
-                            success=sum(every) / len(every),
-                            success_by_kind={kind: sum(r) / len(r) for kind, r in sorted(rewards.items())},
-                            tool_call_rate=(policy.tool_calls - calls) / max(policy.turns - turns, 1),
-                            browsed=sum(browsed) / len(browsed),
-                            tokens_per_episode=sum(tokens) / len(tokens),
-                            generated_tokens_per_episode=generated / len(every),
-                            seconds=time.monotonic() - started,
-                            episodes_played=played,
-                        )
-                    )
-                    logger.info("evaluated %s", results[-1])
-    finally:
-        await close_shared_clients()
-    return results
 
 
 _EPILOG = f"""\

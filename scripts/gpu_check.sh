@@ -91,7 +91,7 @@ import math
 import sys
 from pathlib import Path
 
-from nemo_gym_browser.local.training_run import read_step_metrics
+from nemo_gym_browser.local.main_ppo_process import read_step_metrics
 
 path, wanted = Path(sys.argv[1]), int(sys.argv[2])
 steps = read_step_metrics(path)

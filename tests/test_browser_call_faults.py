@@ -1,6 +1,6 @@
 """Faults at browser calls hit an episode once per call it makes, as real infrastructure does, and never its answer.
 
-The rule (``training_run.browser_call_faults``) on its own: a deterministic draw per browser call, the rate it was
+The rule (``injected_faults.browser_call_faults``) on its own: a deterministic draw per browser call, the rate it was
 given, the endpoints it leaves alone. Then through the real agent loop, with a scripted policy, the real fault
 proxy and the fake environment server: a browsing episode hit at a browser call ends as an infrastructure failure
 of the kind injected and is re-run, an episode that finishes at once meets no fault.
@@ -14,7 +14,7 @@ import random
 import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
-from nemo_gym_browser.local import training_run as tr
+from nemo_gym_browser.local.injected_faults import browser_call_faults
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 from nemo_gym_browser.testing.chaos_harness import parse_session_id
@@ -69,44 +69,44 @@ def test_a_browser_calls_draw_depends_on_seed_session_and_its_place_in_the_sessi
     shuffled = interleaved(sessions, random.Random(3))
     assert shuffled != in_turn
 
-    hit = faulted_calls(tr.browser_call_faults(0.3, seed=7), in_turn)
+    hit = faulted_calls(browser_call_faults(0.3, seed=7), in_turn)
 
     assert 0 < len(hit) < 40 * 12
-    assert faulted_calls(tr.browser_call_faults(0.3, seed=7), shuffled) == hit
-    assert faulted_calls(tr.browser_call_faults(0.3, seed=8), in_turn) != hit
+    assert faulted_calls(browser_call_faults(0.3, seed=7), shuffled) == hit
+    assert faulted_calls(browser_call_faults(0.3, seed=8), in_turn) != hit
     # A session's draws do not depend on which other sessions share the proxy.
-    alone = faulted_calls(tr.browser_call_faults(0.3, seed=7), sessions[5])
+    alone = faulted_calls(browser_call_faults(0.3, seed=7), sessions[5])
     assert alone == {call for call in hit if call[0] == sessions[5][0][1]}
 
 
 def test_over_many_browser_calls_the_share_faulted_converges_to_the_rate() -> None:
-    rule = tr.browser_call_faults(0.25, seed=1)
+    rule = browser_call_faults(0.25, seed=1)
     traffic = [entry for i in range(400) for entry in session_traffic(f"r{i}-{i:04x}.1.{i}", calls=50)]
     share = len(faulted_calls(rule, traffic)) / (400 * 50)
     assert 0.235 < share < 0.265  # five standard deviations of 20,000 draws
 
 
 def test_seed_finish_verify_and_close_are_never_faulted_while_every_browser_call_is_at_rate_one() -> None:
-    rule = tr.browser_call_faults(1.0, seed=0, kind="lose_session")
+    rule = browser_call_faults(1.0, seed=0, kind="lose_session")
     session = "r0-abcd.1.0"
     assert all(rule(request(endpoint, session)) is None for endpoint in NEVER_FAULTED)
     assert [rule(request(endpoint, session)).kind for endpoint in BROWSER_CALLS] == ["lose_session"] * 4
     assert rule(request("browser_observe", None)) is None  # a request of no session belongs to no episode
-    assert tr.browser_call_faults(1.0, seed=0)(request("browser_click", session)).kind == "status"
-    assert tr.browser_call_faults(1.0, seed=0, kind="hang")(request("browser_click", session)).kind == "hang"
+    assert browser_call_faults(1.0, seed=0)(request("browser_click", session)).kind == "status"
+    assert browser_call_faults(1.0, seed=0, kind="hang")(request("browser_click", session)).kind == "hang"
 
 
 def test_sessions_of_spared_tasks_are_never_faulted() -> None:
-    rule = tr.browser_call_faults(1.0, seed=0, spare_tasks=frozenset({"held-back"}))
+    rule = browser_call_faults(1.0, seed=0, spare_tasks=frozenset({"held-back"}))
     assert all(rule(request(e, "r1-aa.1.0", task_id="held-back")) is None for e in BROWSER_CALLS * 3)
     assert rule(request("browser_observe", "r2-bb.1.1", task_id="train")) is not None
 
 
 def test_a_rate_outside_zero_to_one_or_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="rate"):
-        tr.browser_call_faults(1.5, seed=0)
+        browser_call_faults(1.5, seed=0)
     with pytest.raises(ValueError, match="unknown fault"):
-        tr.browser_call_faults(0.5, seed=0, kind="typo")
+        browser_call_faults(0.5, seed=0, kind="typo")
 
 
 # ----- through the real loop -----------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ async def test_a_browsing_episode_hit_at_a_browser_call_is_resampled_and_one_tha
     kind, recorded, tokenizer, trainer_config, tools
 ) -> None:
     async with FakeEnvironmentServer() as server, FaultProxy(server.url, upstream_timeout_s=10) as proxy:
-        proxy.set_rule(first_attempts_only(tr.browser_call_faults(1.0, seed=0, kind=kind)))
+        proxy.set_rule(first_attempts_only(browser_call_faults(1.0, seed=0, kind=kind)))
         environment = {"server_urls": [proxy.url], "call_timeout_s": 0.5, "retry_backoff_s": 0.01}
         rows = [
             make_row(task=BROWSE, task_id="browse", verifier_metadata={"url_contains": "about.html"}, index=0),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nemo_gym_browser.local import policy_evaluation, policy_model, warm_start
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.local import tiny_policy as tp
 
@@ -31,8 +32,8 @@ def test_the_shipped_weights_are_the_ones_recorded_and_load_with_the_codes_token
         assert hashlib.sha256((POLICY / name).read_bytes()).hexdigest() == digest, name
     assert "model.safetensors" in recorded_hashes()
     model = AutoModelForCausalLM.from_pretrained(POLICY)
-    assert model.config.vocab_size == len(tp.policy_tokenizer())
-    assert AutoTokenizer.from_pretrained(POLICY).get_vocab() == tp.policy_tokenizer().get_vocab()
+    assert model.config.vocab_size == len(policy_model.policy_tokenizer())
+    assert AutoTokenizer.from_pretrained(POLICY).get_vocab() == policy_model.policy_tokenizer().get_vocab()
     report = json.loads((POLICY / tp.REPORT_FILE).read_text())
     assert report["warm_start"] == asdict(tp.DEAL_MIXED)  # built with the settings the code names
     assert report["start_from"]["warm_start"] == asdict(tp.DEAL_SOLVER)
@@ -42,9 +43,11 @@ def test_the_shipped_weights_are_the_ones_recorded_and_load_with_the_codes_token
 @pytest.mark.parametrize("split", ["train", "heldback"])
 def test_the_shipped_policy_mostly_guesses_and_reads_the_mark_when_it_browses(split):
     with tempfile.TemporaryDirectory() as workdir:
-        samples = tp.load_samples(st.SUITE_FILES["deal"][0 if split == "train" else 1], Path(workdir))[:48]
+        samples = warm_start.load_samples(st.SUITE_FILES["deal"][0 if split == "train" else 1], Path(workdir))[:48]
     records = st.records_by_id()
-    (result,) = asyncio.run(tp.evaluate(POLICY, {split: samples}, temperatures=(1.0,), episodes_per_task=2))
+    (result,) = asyncio.run(
+        policy_evaluation.evaluate(POLICY, {split: samples}, temperatures=(1.0,), episodes_per_task=2)
+    )
     outcomes = result.episodes_played
     browsed = [reward for task_id, reward, actions in outcomes if actions > 0]
     guessed = [reward for task_id, reward, actions in outcomes if actions == 0]

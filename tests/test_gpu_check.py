@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_gym_browser.local import tiny_policy
+from nemo_gym_browser.local import policy_model, tiny_policy
+from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import training_run as tr
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,7 +170,7 @@ def test_the_printed_run_composes_with_verls_real_config_into_a_one_gpu_vllm_rol
     assert overrides[-1] == "trainer.val_before_train=False"  # the caller's own overrides come last
 
     # The run training_run would start: its own overrides for a vLLM rollout, then the script's.
-    spec = tr.RunSpec(
+    spec = rs.RunSpec(
         model_path=Path(options(train, "--model")[0]),
         train_file=tmp_path / "train.jsonl",
         val_file=tmp_path / "val.jsonl",
@@ -179,12 +180,12 @@ def test_the_printed_run_composes_with_verls_real_config_into_a_one_gpu_vllm_rol
         extra_overrides=tuple(overrides),
     )
     result = subprocess.run(
-        [*tr.main_ppo_command(spec, sys.executable), "--cfg", "job"],
+        [*rs.main_ppo_command(spec, sys.executable), "--cfg", "job"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=tmp_path,
-        env=tr.process_environment(spec),
+        env=rs.process_environment(spec),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     config = OmegaConf.create(result.stdout)
@@ -194,7 +195,7 @@ def test_the_printed_run_composes_with_verls_real_config_into_a_one_gpu_vllm_rol
     assert rollout.gpu_memory_utilization == 0.4
     assert rollout.enforce_eager is True and rollout.free_cache_engine is True and rollout.load_format == "dummy"
     assert rollout.max_model_len == spec.max_prompt_length + spec.max_response_length
-    assert rollout.max_model_len <= tiny_policy.ModelSpec().max_position_embeddings  # verl's vLLM server checks it
+    assert rollout.max_model_len <= policy_model.ModelSpec().max_position_embeddings  # verl's vLLM server checks it
     assert config.ray_kwargs.ray_init.address == "local"
     assert config.ray_kwargs.ray_init["_node_ip_address"] == "127.0.0.1"
     assert config.trainer.val_before_train is False

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from nemo_gym_browser.local import injected_faults as inj
+from nemo_gym_browser.local import main_ppo_process as mp
+from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import training_run as tr
 from nemo_gym_browser.rehearsal import expected_advantages
 
@@ -34,10 +37,10 @@ RUN_TIMEOUT_S = 1200
 # whatever the policy did, so that group's valid scores always differ from the ones stock GRPO would see (a zero in
 # place of the failure): the baseline check below cannot pass on a group of equal scores.
 PLAN = {
-    0: tr.RowFault("seed_session", attempts=(1,), rollouts=1),
+    0: inj.RowFault("seed_session", attempts=(1,), rollouts=1),
     1: (
-        tr.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
-        tr.RowFault("verify", attempts=(1,), rollouts=1, fault="regrade", skip=1),
+        inj.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
+        inj.RowFault("verify", attempts=(1,), rollouts=1, fault="regrade", skip=1),
     ),
 }
 
@@ -65,8 +68,8 @@ def data(workdir: Path) -> tuple[Path, Path, int]:
 class PlannedRun:
     """A run under ``PLAN``, and the proxy's and the server's view of the sessions after it."""
 
-    spec: tr.RunSpec
-    result: tr.RunResult
+    spec: rs.RunSpec
+    result: mp.RunResult
     rows: int
     left_open: tuple[str, ...]
     injected: dict[str, int]
@@ -75,8 +78,8 @@ class PlannedRun:
 
 def train_under_the_plan(environment, policy: Path, workdir: Path, data, name: str, **changes) -> PlannedRun:
     train, val, rows = data
-    with tr.InjectedFaults(environment.url, tr.planned_faults(PLAN)) as faults:
-        spec = tr.RunSpec(
+    with inj.InjectedFaults(environment.url, inj.planned_faults(PLAN)) as faults:
+        spec = rs.RunSpec(
             model_path=policy,
             train_file=train,
             val_file=val,
@@ -87,7 +90,7 @@ def train_under_the_plan(environment, policy: Path, workdir: Path, data, name: s
             group_size=GROUP_SIZE,
             **changes,
         )
-        result = tr.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
+        result = mp.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
         left_open, injected = faults.open_session_ids, faults.counts()
     return PlannedRun(spec, result, rows, left_open, injected, environment.browser_state())
 
@@ -99,7 +102,7 @@ def first_run(real_environment, shop_site, tiny_policy: Path, workdir: Path, dat
     return run.spec, run.result, run.rows, run.left_open, run.injected, run.state
 
 
-def _require_ok(result: tr.RunResult) -> None:
+def _require_ok(result: mp.RunResult) -> None:
     assert result.ok, f"main_ppo exited with {result.returncode}; the end of {result.log_path}:\n{result.log_tail()}"
 
 
@@ -112,14 +115,14 @@ def test_main_ppo_runs_two_real_training_steps_with_the_recipe(first_run) -> Non
         assert metrics["training/global_step"] == step
         # the actor was really updated and the rollout received the new weights
         assert "actor/pg_loss" in metrics and "timing_s/update_weights" in metrics
-        assert tr.metric(result.steps, step, "env/samples") == rows * GROUP_SIZE
+        assert mp.metric(result.steps, step, "env/samples") == rows * GROUP_SIZE
 
 
 def test_the_trainer_logs_env_metrics_that_match_the_injected_faults(first_run) -> None:
     _, result, rows, _, injected, _ = first_run
     _require_ok(result)
     samples = rows * GROUP_SIZE
-    first = {key: tr.metric(result.steps, 1, key) for key in result.steps[1] if key.startswith("env/")}
+    first = {key: mp.metric(result.steps, 1, key) for key in result.steps[1] if key.startswith("env/")}
     assert first["env/failed_attempts/seed_failed"] == 1
     assert first["env/failed_attempts/verify_unavailable"] == 3
     assert first["env/invalid_count"] == 1
@@ -132,8 +135,8 @@ def test_the_trainer_logs_env_metrics_that_match_the_injected_faults(first_run) 
     # the proxy answered 503 exactly where the plan says (one seed, three verifies) and planted one grade
     assert injected == {"status": 4, "regrade": 1}
     # step 2: the plan is spent, nothing failed
-    assert tr.metric(result.steps, 2, "env/invalid_count") == 0
-    assert tr.metric(result.steps, 2, "env/resampled_rate") == 0
+    assert mp.metric(result.steps, 2, "env/invalid_count") == 0
+    assert mp.metric(result.steps, 2, "env/resampled_rate") == 0
 
 
 def test_flagged_samples_get_advantage_zero_and_stay_out_of_their_groups_baseline_in_the_real_fit_loop(
@@ -141,8 +144,8 @@ def test_flagged_samples_get_advantage_zero_and_stay_out_of_their_groups_baselin
 ) -> None:
     _, result, rows, *_ = first_run
     _require_ok(result)
-    assert math.isclose(tr.metric(result.steps, 1, "grpo_env_aware/invalid_fraction"), 1 / (rows * GROUP_SIZE))
-    assert tr.metric(result.steps, 2, "grpo_env_aware/invalid_fraction") == 0.0
+    assert math.isclose(mp.metric(result.steps, 1, "grpo_env_aware/invalid_fraction"), 1 / (rows * GROUP_SIZE))
+    assert mp.metric(result.steps, 2, "grpo_env_aware/invalid_fraction") == 0.0
     assert sorted(result.advantages) == [1, 2]
     for step, samples in result.advantages.items():
         assert len(samples) == rows * GROUP_SIZE
@@ -181,14 +184,14 @@ def test_a_checkpoint_is_written_and_training_resumes_from_it(first_run, real_en
     _require_ok(result)
     assert (spec.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (spec.checkpoint_dir / "global_step_2" / "actor").is_dir()
-    resumed = tr.run_main_ppo(
+    resumed = mp.run_main_ppo(
         spec.replace(steps=3, resume=True, server_urls=(real_environment.url,), save_freq=-1),
         timeout_s=RUN_TIMEOUT_S,
     )
     _require_ok(resumed)
     # verl resumed at step 3: steps 1 and 2 were not trained again
     assert sorted(resumed.steps) == [3]
-    assert tr.metric(resumed.steps, 3, "env/samples") > 0
+    assert mp.metric(resumed.steps, 3, "env/samples") > 0
 
 
 # ----- step-wise mode: one sample per policy step, the same plan of faults ----------------------------------------
@@ -225,13 +228,13 @@ def test_stepwise_mode_trains_two_real_steps_with_env_metrics_counting_episodes(
     episodes = rows * GROUP_SIZE
     for step in (1, 2):
         assert "actor/pg_loss" in result.steps[step]
-        assert tr.metric(result.steps, step, "env/samples") == episodes  # episodes, not step samples
-        assert tr.metric(result.steps, step, "env/step_samples") == len(result.advantages[step])
-        assert tr.metric(result.steps, step, "env/step_samples") >= episodes
-    assert tr.metric(result.steps, 1, "env/invalid_count") == 1
-    assert math.isclose(tr.metric(result.steps, 1, "env/invalid_rate"), 1 / episodes)
-    assert math.isclose(tr.metric(result.steps, 1, "grpo_env_aware/invalid_fraction"), 1 / episodes)
-    assert tr.metric(result.steps, 2, "env/invalid_count") == 0
+        assert mp.metric(result.steps, step, "env/samples") == episodes  # episodes, not step samples
+        assert mp.metric(result.steps, step, "env/step_samples") == len(result.advantages[step])
+        assert mp.metric(result.steps, step, "env/step_samples") >= episodes
+    assert mp.metric(result.steps, 1, "env/invalid_count") == 1
+    assert math.isclose(mp.metric(result.steps, 1, "env/invalid_rate"), 1 / episodes)
+    assert math.isclose(mp.metric(result.steps, 1, "grpo_env_aware/invalid_fraction"), 1 / episodes)
+    assert mp.metric(result.steps, 2, "env/invalid_count") == 0
 
 
 def test_stepwise_mode_gives_every_step_its_episodes_advantage_and_invalid_episodes_zero(stepwise_run) -> None:

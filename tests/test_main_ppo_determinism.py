@@ -16,8 +16,11 @@ from collections import Counter
 
 import pytest
 
+from nemo_gym_browser.local import main_ppo_process as mp
+from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import shop_tasks, tiny_policy
 from nemo_gym_browser.local import training_run as tr
+from nemo_gym_browser.local.warm_start import WarmStartSpec
 from nemo_gym_browser.prepare_webvoyager_data import prepare_rows
 
 pytestmark = pytest.mark.integration
@@ -45,13 +48,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     rows = prepare_rows(tasks, workdir / "rows")
     # A quick warm start: the test needs a policy that takes both routes, not a good one.
     model = workdir / "policy"
-    warm = tiny_policy.WarmStartSpec(correct=0.5, guess=0.5, steps=30, demos_per_task=4, seed=0)
+    warm = WarmStartSpec(correct=0.5, guess=0.5, steps=30, demos_per_task=4, seed=0)
     tiny_policy.build(model, model_spec=tiny_policy.DEAL_MODEL, warm=warm, task_file=tasks)
     return {"workdir": workdir, "rows": rows, "model": model}
 
 
-def train(setup: dict, url: str, name: str, estimator: str, *extra: str) -> tr.RunResult:
-    spec = tr.RunSpec(
+def train(setup: dict, url: str, name: str, estimator: str, *extra: str) -> mp.RunResult:
+    spec = rs.RunSpec(
         model_path=setup["model"],
         train_file=setup["rows"],
         val_file=setup["rows"],
@@ -65,12 +68,12 @@ def train(setup: dict, url: str, name: str, estimator: str, *extra: str) -> tr.R
         lr=1e-3,
         extra_overrides=("actor_rollout_ref.rollout.full_determinism=True", *extra),
     )
-    result = tr.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
+    result = mp.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
     assert result.ok, f"main_ppo exited with {result.returncode}:\n{result.log_tail()}"
     return result
 
 
-def episodes(result: tr.RunResult) -> dict[int, Counter]:
+def episodes(result: mp.RunResult) -> dict[int, Counter]:
     """Per step, the samples as (score, advantage rounded, response tokens), as a multiset (uids are random)."""
     steps = result.advantages
     return {
@@ -82,9 +85,9 @@ def episodes(result: tr.RunResult) -> dict[int, Counter]:
 def test_the_same_seed_gives_the_same_run_and_without_failures_the_stock_arm_gives_the_same_episodes(setup) -> None:
     """Two steps of three runs (about 4 minutes on 2 idle cores)."""
     with tr.shop_environment("fake") as url:
-        first = train(setup, url, "first", tr.RECIPE_ESTIMATOR)
-        second = train(setup, url, "second", tr.RECIPE_ESTIMATOR)
-        stock = train(setup, url, "stock", tr.STOCK_ESTIMATOR, "+nemo_gym_browser.train_on_failures=True")
+        first = train(setup, url, "first", rs.RECIPE_ESTIMATOR)
+        second = train(setup, url, "second", rs.RECIPE_ESTIMATOR)
+        stock = train(setup, url, "stock", rs.STOCK_ESTIMATOR, "+nemo_gym_browser.train_on_failures=True")
 
     assert sorted(episodes(first)) == list(range(1, STEPS + 1))
     assert episodes(first) == episodes(second)
@@ -93,5 +96,5 @@ def test_the_same_seed_gives_the_same_run_and_without_failures_the_stock_arm_giv
     # The stock arm (the recipe's wiring off: no advantage log) against the recipe, on what verl itself logs.
     for step in range(1, STEPS + 1):
         for key in SAME_KEYS:
-            values = {tr.metric(run.steps, step, key) for run in (first, second, stock)}
+            values = {mp.metric(run.steps, step, key) for run in (first, second, stock)}
             assert len(values) == 1, (step, key, values)

@@ -16,6 +16,7 @@ from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.dataset import BrowserJSONLDataset
 from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient
+from nemo_gym_browser.local import shop_scripts
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing import scripted_policy as sp
@@ -111,8 +112,8 @@ async def test_every_task_is_solved_by_the_scripted_policy_through_the_loop_and_
             for sample in samples:
                 record = records[sample["extra_info"]["task_id"]]
                 for wrong in (False, True):
-                    chooser = st.Chooser.always_wrong() if wrong else st.Chooser()
-                    script = st.script_for(record, chooser, wrong_answer=wrong)
+                    chooser = shop_scripts.Chooser.always_wrong() if wrong else shop_scripts.Chooser()
+                    script = shop_scripts.script_for(record, chooser, wrong_answer=wrong)
                     output = await play(script, sample, server, tokenizer, tools, trainer_config)
                     assert output.extra_fields["reward_source"] == "verify"
                     if not wrong:
@@ -128,7 +129,7 @@ async def test_the_fake_search_page_finds_an_item_by_its_name_in_any_case_and_re
     async def search(client, text: str) -> str:
         home = st.page_url("index.html")
         async with client.session(rollout_id="s", attempt=0, task_id=text or "empty", initial_url=home) as session:
-            listed = st.elements((await session.observe()).observation)
+            listed = shop_scripts.elements((await session.observe()).observation)
             box = next(eid for eid, tag, _ in listed if tag == "input")
             submit = next(eid for eid, tag, name in listed if tag == "button" and name == "Search")
             assert (await session.type(box, text)).error is None
@@ -140,11 +141,11 @@ async def test_the_fake_search_page_finds_an_item_by_its_name_in_any_case_and_re
             missing = await search(client, "a kite & a yoyo")
             empty = await search(client, "")
     assert found.startswith(f"URL: {st.page_url('search.html')}?q=MaNgO\nTITLE: Search\n")
-    assert st.elements(found) == [(0, "a", "Mango"), (1, "a", "Home")]
+    assert shop_scripts.elements(found) == [(0, "a", "Mango"), (1, "a", "Home")]
     assert "Results for: MaNgO Mango Home" in found
     assert f"{st.page_url('search.html')}?q=a+kite+%26+a+yoyo" in missing
     assert "Results for: a kite & a yoyo No items found. Home" in missing
-    assert "No query." in empty and st.elements(empty) == [(0, "a", "Home")]
+    assert "No query." in empty and shop_scripts.elements(empty) == [(0, "a", "Home")]
 
 
 def test_a_shuffled_shop_lists_the_same_links_in_a_seeded_other_order():
@@ -162,13 +163,13 @@ def test_a_shuffled_shop_lists_the_same_links_in_a_seeded_other_order():
 
 
 def test_a_chooser_picks_the_named_element_with_its_probability_and_otherwise_uniformly():
-    chooser = st.Chooser(0.4, random.Random(7))
+    chooser = shop_scripts.Chooser(0.4, random.Random(7))
     picks = collections.Counter(chooser.pick("Mango", ["Apple", "Banana", "Cherry", "Mango"]) for _ in range(4000))
     assert picks["Mango"] / 4000 == pytest.approx(0.4 + 0.6 / 4, abs=0.03)
     assert all(picks[name] / 4000 == pytest.approx(0.6 / 4, abs=0.03) for name in ("Apple", "Banana", "Cherry"))
-    assert st.Chooser.always_wrong().pick("Apple", ["Apple", "Banana"]) == "Banana"
+    assert shop_scripts.Chooser.always_wrong().pick("Apple", ["Apple", "Banana"]) == "Banana"
     with pytest.raises(ValueError, match="correct must be in"):
-        st.Chooser(1.5)
+        shop_scripts.Chooser(1.5)
 
 
 def test_the_command_line_explains_itself_and_refuses_no_action(capsys):
@@ -218,8 +219,8 @@ async def test_a_deal_is_answered_by_reading_the_board_or_from_memory_without_to
             for i in range(len(rows)):
                 sample = dataset[i]
                 record = records[sample["extra_info"]["task_id"]]
-                chooser = st.Chooser(1.0, random.Random(i))
-                script = st.deal_script(record, chooser, guess=1.0 if route == "guess" else 0.0)
+                chooser = shop_scripts.Chooser(1.0, random.Random(i))
+                script = shop_scripts.deal_script(record, chooser, guess=1.0 if route == "guess" else 0.0)
                 output = await play(script, sample, server, tokenizer, tools, trainer_config)
                 assert output.extra_fields["env_browser_actions"] == (1 if route == "browse" else 0)
                 rewards.append(output.reward_score)

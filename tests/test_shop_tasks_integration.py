@@ -11,8 +11,9 @@ import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.local import shop_scripts
 from nemo_gym_browser.local import shop_tasks as st
-from nemo_gym_browser.local.tiny_policy import load_samples
+from nemo_gym_browser.local.warm_start import load_samples
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop
@@ -25,7 +26,9 @@ ENVIRONMENT = {"call_timeout_s": 30.0, "seed_timeout_s": 60.0, "verify_timeout_s
 
 def named(observation: str, name: str, tag: str = "a") -> int:
     return next(
-        eid for eid, element_tag, element_name in st.elements(observation) if (element_tag, element_name) == (tag, name)
+        eid
+        for eid, element_tag, element_name in shop_scripts.elements(observation)
+        if (element_tag, element_name) == (tag, name)
     )
 
 
@@ -46,7 +49,7 @@ async def tour(server_url: str) -> list[str]:
                     seen.append(page)
                     page = (await session.click(named(page, f"Back to {section}"))).observation
                 page = (await session.click(named(page, "Home"))).observation
-            box = next(eid for eid, tag, _ in st.elements(page) if tag == "input")
+            box = next(eid for eid, tag, _ in shop_scripts.elements(page) if tag == "input")
             page = (await session.type(box, "Mango")).observation
             page = (await session.click(named(page, "Search", "button"))).observation
             seen.append(page)
@@ -77,7 +80,7 @@ async def test_one_task_of_each_kind_is_solved_on_the_real_server_and_a_wrong_pr
             record = records[sample["extra_info"]["task_id"]]
             for wrong in (False, True) if kind == "price" else (False,):
                 loop = build_loop(
-                    sp.ScriptedPolicy(tokenizer, st.script_for(record, wrong_answer=wrong)),
+                    sp.ScriptedPolicy(tokenizer, shop_scripts.script_for(record, wrong_answer=wrong)),
                     tokenizer=tokenizer,
                     tools=tools,
                     trainer_config=trainer_config,
@@ -119,7 +122,7 @@ async def test_the_deal_boards_render_as_in_chromium_and_a_deal_is_read_or_guess
     try:
         for route, guess in (("browse", 0.0), ("guess", 1.0)):
             loop = build_loop(
-                sp.ScriptedPolicy(tokenizer, st.deal_script(record, st.Chooser(), guess)),
+                sp.ScriptedPolicy(tokenizer, shop_scripts.deal_script(record, shop_scripts.Chooser(), guess)),
                 tokenizer=tokenizer,
                 tools=tools,
                 trainer_config=trainer_config,

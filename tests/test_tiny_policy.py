@@ -3,7 +3,7 @@ loss, a model folder that verl and the hfcpu rollout server load and whose greed
 a builder that gives the same weights for the same seed.
 
 The builds here are small (one task of each kind, a few steps) so the tier stays fast; the measured policy is the
-CLI's default (see the module docstring of ``local/tiny_policy.py``).
+CLI's default (see the README's "A tiny policy").
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from verl.workers.config import HFModelConfig
 
+from nemo_gym_browser.local import policy_evaluation, policy_model, warm_start
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.local import tiny_policy as tp
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
-SMALL_MODEL = tp.ModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
+SMALL_MODEL = policy_model.ModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
 
 def one_task_per_kind(path: Path) -> Path:
@@ -37,7 +38,7 @@ def one_task_per_kind(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def policy_tokenizer():
-    return tp.policy_tokenizer()
+    return policy_model.policy_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +48,17 @@ def small_tasks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demonstrations(policy_tokenizer, small_tasks, tmp_path_factory):
-    samples = tp.load_samples(small_tasks, tmp_path_factory.mktemp("rows"))
-    return asyncio.run(tp.collect_demonstrations(policy_tokenizer, samples, correct=1.0, per_task=2, seed=0)), samples
+    samples = warm_start.load_samples(small_tasks, tmp_path_factory.mktemp("rows"))
+    return asyncio.run(
+        warm_start.collect_demonstrations(policy_tokenizer, samples, correct=1.0, per_task=2, seed=0)
+    ), samples
 
 
 @pytest.fixture(scope="module")
 def warm_policy(small_tasks, tmp_path_factory):
     """A small policy warm-started just long enough to speak the first turn of every episode."""
     folder = tmp_path_factory.mktemp("policy")
-    warm = tp.WarmStartSpec(correct=1.0, demos_per_task=2, steps=200, batch_size=2, lr=1e-2, warmup_steps=10)
+    warm = warm_start.WarmStartSpec(correct=1.0, demos_per_task=2, steps=200, batch_size=2, lr=1e-2, warmup_steps=10)
     report = tp.build(folder, model_spec=SMALL_MODEL, warm=warm, task_file=small_tasks)
     return folder, report
 
@@ -93,14 +96,14 @@ def test_the_warm_start_learns_only_the_models_tokens_and_its_shared_prefix_loss
     demonstrations, policy_tokenizer
 ):
     demos, _ = demonstrations
-    input_ids, attention, labels = tp._batch(demos[:3], policy_tokenizer.pad_token_id)
+    input_ids, attention, labels = warm_start._batch(demos[:3], policy_tokenizer.pad_token_id)
     assert int((labels != -100).sum()) == sum(sum(demo.response_mask) for demo in demos[:3])
-    model = tp.build_model(policy_tokenizer, SMALL_MODEL, seed=0)
-    prefix = tp.common_prefix_length(demos)
+    model = policy_model.build_model(policy_tokenizer, SMALL_MODEL, seed=0)
+    prefix = warm_start.common_prefix_length(demos)
     assert prefix > 400  # the system prompt and the tools
     with torch.no_grad():
         plain = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        shared = tp.demonstration_loss(model, demos[:3], policy_tokenizer.pad_token_id, prefix)
+        shared = warm_start.demonstration_loss(model, demos[:3], policy_tokenizer.pad_token_id, prefix)
     assert float(shared) == pytest.approx(float(plain), rel=1e-5)
 
 
@@ -113,15 +116,17 @@ def test_the_warm_started_folder_loads_in_verl_and_its_greedy_first_turn_is_a_br
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert sum(p.numel() for p in model.parameters()) == report.parameters
 
-    samples = tp.load_samples(one_task_per_kind(folder / "check.jsonl"), folder / "rows")
-    results = asyncio.run(tp.evaluate(folder, {"heldback": samples}, temperatures=(0.0,), max_assistant_turns=1))
+    samples = warm_start.load_samples(one_task_per_kind(folder / "check.jsonl"), folder / "rows")
+    results = asyncio.run(
+        policy_evaluation.evaluate(folder, {"heldback": samples}, temperatures=(0.0,), max_assistant_turns=1)
+    )
     (greedy,) = results
     assert greedy.episodes == 4
     assert greedy.tool_call_rate == 1.0  # every first turn: <tool_call>{"name": "browser", ...}</tool_call>
 
 
 def test_the_builder_gives_the_same_weights_for_the_same_seed_and_others_for_another(small_tasks, tmp_path):
-    warm = tp.WarmStartSpec(demos_per_task=1, steps=2, batch_size=2)
+    warm = warm_start.WarmStartSpec(demos_per_task=1, steps=2, batch_size=2)
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         tp.build(
             tmp_path / name, model_spec=SMALL_MODEL, warm=dataclasses.replace(warm, seed=seed), task_file=small_tasks

@@ -17,11 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from nemo_gym_browser.local import injected_faults as inj
+from nemo_gym_browser.local import main_ppo_process as mp
+from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import training_run as tr
 
 
-def spec(tmp_path: Path, **changes) -> tr.RunSpec:
-    base = tr.RunSpec(
+def spec(tmp_path: Path, **changes) -> rs.RunSpec:
+    base = rs.RunSpec(
         model_path=tmp_path / "model, with a comma",
         train_file=tmp_path / "train.jsonl",
         val_file=tmp_path / "val.jsonl",
@@ -31,15 +34,15 @@ def spec(tmp_path: Path, **changes) -> tr.RunSpec:
     return base.replace(**changes)
 
 
-def composed(spec: tr.RunSpec):
+def composed(spec: rs.RunSpec):
     """The config hydra composes from the driver's overrides, as ``main_ppo`` does (nothing is started)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(tr.CONFIG_DIR), version_base=None):
-            return compose("webvoyager_grpo", overrides=tr.hydra_overrides(spec))
+        with initialize_config_dir(config_dir=str(rs.CONFIG_DIR), version_base=None):
+            return compose("webvoyager_grpo", overrides=rs.hydra_overrides(spec))
     finally:
         GlobalHydra.instance().clear()
 
@@ -64,19 +67,19 @@ def test_the_stock_arm_is_verls_grpo_with_the_recipes_wiring_off_and_one_attempt
     config = composed(run)
     assert config.algorithm.adv_estimator == "grpo"
     assert config.nemo_gym_browser.max_attempts == 1
-    env = tr.process_environment(run, base={})
+    env = rs.process_environment(run, base={})
     assert env["NEMO_GYM_BROWSER_PATCHES"] == "0" and env["NEMO_GYM_BROWSER_DROP_INVALID"] == "0"
-    recipe_env = tr.process_environment(spec(tmp_path, drop_invalid=True), base={})
+    recipe_env = rs.process_environment(spec(tmp_path, drop_invalid=True), base={})
     assert recipe_env["NEMO_GYM_BROWSER_PATCHES"] == "1" and recipe_env["NEMO_GYM_BROWSER_DROP_INVALID"] == "1"
 
 
 def test_a_gpu_command_names_the_rollout_and_leaves_the_cpu_backend_out(tmp_path: Path) -> None:
     run = spec(tmp_path, rollout_name="vllm")
-    overrides = tr.hydra_overrides(run)
+    overrides = rs.hydra_overrides(run)
     assert "actor_rollout_ref.rollout.name=vllm" in overrides
     assert not any(o.startswith(("trainer.device=", "+ray_kwargs.ray_init.num_gpus")) for o in overrides)
     assert "+ray_kwargs.ray_init._node_ip_address=127.0.0.1" in overrides  # Ray on loopback, as on CPU
-    env = tr.process_environment(run, base={})
+    env = rs.process_environment(run, base={})
     assert "VERL_PLATFORM" not in env and "VERL_USE_EXTERNAL_MODULES" not in env
     config = composed(run)
     assert config.actor_rollout_ref.rollout.name == "vllm" and config.trainer.n_gpus_per_node == 1
@@ -85,10 +88,10 @@ def test_a_gpu_command_names_the_rollout_and_leaves_the_cpu_backend_out(tmp_path
 
 def test_every_process_of_the_run_logs_metrics_and_advantages_into_the_run_folder(tmp_path: Path) -> None:
     run = spec(tmp_path)
-    env = tr.process_environment(run, base={"PYTHONPATH": "/elsewhere"})
+    env = rs.process_environment(run, base={"PYTHONPATH": "/elsewhere"})
     assert env["VERL_FILE_LOGGER_PATH"] == str(run.output_dir / "metrics.jsonl")
     assert env["NEMO_GYM_BROWSER_ADVANTAGE_LOG"] == str(run.output_dir / "advantages.jsonl")
-    assert env["PYTHONPATH"].split(":") == [str(tr.RECIPE_DIR), "/elsewhere"]
+    assert env["PYTHONPATH"].split(":") == [str(rs.RECIPE_DIR), "/elsewhere"]
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # Ray keeps its loopback node address
 
 
@@ -100,13 +103,13 @@ def test_metrics_of_one_step_logged_in_several_records_are_merged_by_step(tmp_pa
         {"step": 2, "data": {"val-core/webvoyager/reward/mean@1": 0.5}},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    steps = tr.read_step_metrics(path)
+    steps = mp.read_step_metrics(path)
     assert steps == {
         1: {"env/samples": 8.0, "critic/score/mean": 0.25},
         2: {"env/samples": 8.0, "val-core/webvoyager/reward/mean@1": 0.5},
     }
-    assert tr.metric(steps, 2, "val-core/webvoyager/reward/mean@1") == 0.5
-    assert tr.metric(steps, 3, "env/samples") != tr.metric(steps, 3, "env/samples")  # NaN when not logged
+    assert mp.metric(steps, 2, "val-core/webvoyager/reward/mean@1") == 0.5
+    assert mp.metric(steps, 3, "env/samples") != mp.metric(steps, 3, "env/samples")  # NaN when not logged
     line = tr.summary_line(2, steps[2])
     assert line.split()[0] == "2" and line.split()[-1] == "0.500"
     assert len(line) == len(tr.summary_header())
@@ -117,7 +120,7 @@ def request(endpoint: str, session_id: str | None, task_id: str | None = None):
 
 
 def test_planned_faults_break_the_first_rollouts_of_a_row_on_their_planned_attempts_only() -> None:
-    rule = tr.planned_faults({3: tr.RowFault("verify", attempts=(1, 2), rollouts=1)})
+    rule = inj.planned_faults({3: inj.RowFault("verify", attempts=(1, 2), rollouts=1)})
     first, second = "r3-aaaa", "r3-bbbb"
     assert rule(request("seed_session", f"{first}.1.0")) is None  # the rollout is picked, but seed is not planned
     assert rule(request("verify", f"{first}.1.0")).kind == "status"
@@ -129,11 +132,11 @@ def test_planned_faults_break_the_first_rollouts_of_a_row_on_their_planned_attem
 
 
 def test_a_row_may_carry_several_faults_each_on_its_own_rollouts_in_the_order_they_arrive() -> None:
-    rule = tr.planned_faults(
+    rule = inj.planned_faults(
         {
             1: (
-                tr.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
-                tr.RowFault("verify", attempts=(1,), rollouts=2, fault="regrade", skip=1),
+                inj.RowFault("verify", attempts=(1, 2, 3), rollouts=1),
+                inj.RowFault("verify", attempts=(1,), rollouts=2, fault="regrade", skip=1),
             )
         }
     )
@@ -148,42 +151,42 @@ def test_a_row_may_carry_several_faults_each_on_its_own_rollouts_in_the_order_th
     assert rule(request("verify", f"{fourth}.1.3")) is None  # past skip + rollouts
     assert rule(request("verify", f"{second}.2.4")) is None  # the regrade is planned on attempt 1 only
     with pytest.raises(ValueError, match="unknown fault"):
-        tr.planned_faults({0: tr.RowFault("verify", attempts=(1,), rollouts=1, fault="typo")})
+        inj.planned_faults({0: inj.RowFault("verify", attempts=(1,), rollouts=1, fault="typo")})
 
 
 def test_random_faults_hit_about_their_rate_the_same_way_every_time_and_spare_the_named_tasks() -> None:
     sessions = [f"r{i}-{i:04x}.1.{i}" for i in range(2000)]
-    rule = tr.random_faults(0.3, seed=7)
+    rule = inj.random_faults(0.3, seed=7)
     hits = [rule(request("verify", s)) is not None for s in sessions]
     assert 0.27 < sum(hits) / len(hits) < 0.33
-    assert hits == [tr.random_faults(0.3, seed=7)(request("verify", s)) is not None for s in sessions]
-    assert hits != [tr.random_faults(0.3, seed=8)(request("verify", s)) is not None for s in sessions]
+    assert hits == [inj.random_faults(0.3, seed=7)(request("verify", s)) is not None for s in sessions]
+    assert hits != [inj.random_faults(0.3, seed=8)(request("verify", s)) is not None for s in sessions]
     assert not any(rule(request("seed_session", s)) for s in sessions)  # only the named endpoint
-    spared = tr.random_faults(1.0, seed=7, spare_tasks=frozenset({"held-back"}))
+    spared = inj.random_faults(1.0, seed=7, spare_tasks=frozenset({"held-back"}))
     assert spared(request("verify", sessions[0], "held-back")) is None
     assert spared(request("verify", sessions[0], "train")).kind == "status"
-    assert tr.random_faults(1.0, seed=7, kind="lose_session")(request("verify", sessions[0])).kind == "lose_session"
+    assert inj.random_faults(1.0, seed=7, kind="lose_session")(request("verify", sessions[0])).kind == "lose_session"
     with pytest.raises(ValueError):
-        tr.random_faults(1.5, seed=0)
+        inj.random_faults(1.5, seed=0)
 
 
 def test_the_default_fault_spec_is_todays_verify_503_per_session_and_browser_call_faults_are_one_flag_away() -> None:
     sessions = [f"r{i}-{i:04x}.1.{i}" for i in range(500)]
-    default = tr.FaultSpec(rate=0.3).rule(7, spare_tasks=frozenset({"held-back"}))
-    legacy = tr.random_faults(0.3, 7, spare_tasks=frozenset({"held-back"}))
+    default = inj.FaultSpec(rate=0.3).rule(7, spare_tasks=frozenset({"held-back"}))
+    legacy = inj.random_faults(0.3, 7, spare_tasks=frozenset({"held-back"}))
     for session in sessions:
         assert (default(request("verify", session)) is None) == (legacy(request("verify", session)) is None)
         assert default(request("browser_observe", session)) is None
     assert default(request("verify", sessions[0], "held-back")) is None
-    assert tr.RunSpec.__dataclass_fields__["faults"].default == tr.FaultSpec(0.0, "verify", "status")
+    assert rs.RunSpec.__dataclass_fields__["faults"].default == inj.FaultSpec(0.0, "verify", "status")
 
-    calls = tr.FaultSpec(rate=1.0, at="browser-call", kind="hang").rule(7, spare_tasks=frozenset({"held-back"}))
+    calls = inj.FaultSpec(rate=1.0, at="browser-call", kind="hang").rule(7, spare_tasks=frozenset({"held-back"}))
     assert calls(request("browser_click", sessions[0])).kind == "hang"
     assert calls(request("verify", sessions[0])) is None
     assert calls(request("browser_click", sessions[1], "held-back")) is None
     for bad in ({"rate": -0.1}, {"at": "seed"}, {"kind": "regrade"}):
         with pytest.raises(ValueError):
-            tr.FaultSpec(**bad)
+            inj.FaultSpec(**bad)
 
 
 def test_a_shorter_call_timeout_reaches_the_loops_settings_and_none_keeps_the_recipes(tmp_path: Path) -> None:
@@ -195,7 +198,7 @@ def test_a_shorter_call_timeout_reaches_the_loops_settings_and_none_keeps_the_re
     loop_kwargs = OmegaConf.to_container(agent_loop_entry())
     del loop_kwargs["name"], loop_kwargs["_target_"]  # what hydra.utils.instantiate passes the loop
 
-    def call_timeout(run: tr.RunSpec) -> float:
+    def call_timeout(run: rs.RunSpec) -> float:
         return resolve_settings(loop_kwargs, composed(run)).environment.call_timeout_s
 
     assert call_timeout(spec(tmp_path, call_timeout_s=15.0)) == 15.0
@@ -224,7 +227,7 @@ def test_injected_faults_run_the_real_proxy_in_a_thread_and_count_what_they_inje
     from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
     with FakeEnvironmentServer().run_in_thread() as fake:
-        with tr.InjectedFaults(fake.url, lambda r: tr.random_faults(1.0, 0, "seed_session")(r)) as faults:
+        with inj.InjectedFaults(fake.url, lambda r: inj.random_faults(1.0, 0, "seed_session")(r)) as faults:
             import urllib.error
             import urllib.request
 
@@ -245,10 +248,10 @@ def test_a_run_past_its_timeout_is_stopped_with_its_whole_process_group(tmp_path
         f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
         f"open({str(marker)!r}, 'w').write(str(child.pid)); print('started', flush=True); time.sleep(600)"
     )
-    monkeypatch.setattr(tr, "main_ppo_command", lambda spec, python=sys.executable: [python, "-c", script])
+    monkeypatch.setattr(mp, "main_ppo_command", lambda spec, python=sys.executable: [python, "-c", script])
     lines: list[str] = []
     # long enough for two interpreters to start on a loaded machine (5 s was not, with CI's integration tier beside)
-    result = tr.run_main_ppo(run, timeout_s=15, on_line=lines.append)
+    result = mp.run_main_ppo(run, timeout_s=15, on_line=lines.append)
     assert not result.ok and lines == ["started"]
     assert result.peak_memory_bytes > 2 * 2**20  # two Python interpreters were sampled while they ran
     child = int(marker.read_text())
@@ -262,17 +265,18 @@ def test_a_sigterm_to_the_driver_stops_the_runs_whole_process_group(tmp_path: Pa
     driver = f"""
 import sys
 from pathlib import Path
-from nemo_gym_browser.local import training_run as tr
+from nemo_gym_browser.local import main_ppo_process as mp
+from nemo_gym_browser.local import run_spec as rs
 
 script = (
     "import subprocess, sys, time; "
     "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
     "open({str(marker)!r}, 'w').write(str(child.pid)); time.sleep(600)"
 )
-tr.main_ppo_command = lambda spec, python=sys.executable: [python, "-c", script]
-spec = tr.RunSpec(model_path=Path("m"), train_file=Path("t"), val_file=Path("v"),
+mp.main_ppo_command = lambda spec, python=sys.executable: [python, "-c", script]
+spec = rs.RunSpec(model_path=Path("m"), train_file=Path("t"), val_file=Path("v"),
                   server_urls=("http://127.0.0.1:1",), output_dir=Path({str(tmp_path / "run")!r}))
-tr.run_main_ppo(spec, timeout_s=600)
+mp.run_main_ppo(spec, timeout_s=600)
 """
     process = subprocess.Popen([sys.executable, "-c", driver])
     deadline = time.monotonic() + 60

@@ -1,0 +1,200 @@
+"""verl's ``main_ppo`` for a :class:`~.run_spec.RunSpec` as a child process, and the metrics it leaves behind.
+
+:func:`run_main_ppo` starts ``python -m verl.trainer.main_ppo`` in its own process group, copies its output to
+``main_ppo.log`` (and to a caller's ``on_line``), samples the memory of its process tree, and reads back the per-step
+metrics of verl's own ``file`` logger (``metrics.jsonl``) and the recipe's ``advantages.jsonl``. On timeout,
+interruption or SIGTERM the whole group is stopped (it is ours: Ray's processes included): SIGTERM, then SIGKILL after
+:data:`STOP_GRACE_S`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .run_spec import RunSpec, main_ppo_command, process_environment
+
+logger = logging.getLogger(__name__)
+
+# A stopped run's process group gets this long after SIGTERM (Ray shuts its workers down) before SIGKILL.
+STOP_GRACE_S = 20.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    returncode: int
+    elapsed_s: float
+    peak_memory_bytes: int  # the most the run's process tree held at once (PSS: shared pages counted once)
+    steps: dict[int, dict[str, Any]]  # training step -> the metrics verl logged for it
+    advantages: dict[int, list[dict[str, Any]]]  # training step -> every sample's flag, score and advantage
+    log_path: Path
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def read_advantages(path: Path) -> dict[int, list[dict[str, Any]]]:
+    """``advantages.jsonl`` by training step: the samples of each advantage computation (see ``patches.py``)."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                steps.setdefault(int(record["step"]), []).extend(record["samples"])
+    return steps
+
+
+def read_step_metrics(path: Path) -> dict[int, dict[str, Any]]:
+    """The metrics verl's ``file`` logger wrote, by step; several records of one step (training, validation) merge."""
+    steps: dict[int, dict[str, Any]] = {}
+    if not path.exists():
+        return steps
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            steps.setdefault(int(record["step"]), {}).update(record["data"])
+    return steps
+
+
+def metric(steps: Mapping[int, Mapping[str, Any]], step: int, key: str) -> float:
+    """One logged metric of one step as a float; NaN when it was not logged."""
+    value = steps.get(step, {}).get(key)
+    return float(value) if value is not None else math.nan
+
+
+def run_main_ppo(
+    spec: RunSpec,
+    *,
+    timeout_s: float,
+    python: str = sys.executable,
+    on_line: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Run ``main_ppo`` for ``spec`` to the end (or ``timeout_s``) and return what it logged.
+
+    ``on_line`` sees every line of the trainer's output as it comes (progress for a CLI); everything also goes to
+    ``spec.log_path``. The metrics file is truncated first by verl itself, so a result never mixes two runs.
+    """
+    spec.output_dir.mkdir(parents=True, exist_ok=True)
+    spec.advantages_path.unlink(missing_ok=True)  # appended to by the trainer: start empty, like metrics.jsonl
+    command = main_ppo_command(spec, python)
+    (spec.output_dir / "command.txt").write_text(" \\\n  ".join(command) + "\n")
+    started = time.monotonic()
+    with open(spec.log_path, "ab") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=spec.output_dir,
+            env=process_environment(spec),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert process.stdout is not None
+        reader = threading.Thread(target=_copy_lines, args=(process.stdout, log, on_line), daemon=True)
+        reader.start()
+        memory = _MemorySampler(process.pid)
+        # A SIGTERM to this process must stop the run's process group too (Ray's processes are in it), not orphan it.
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main_thread else None
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.error("main_ppo ran past %.0f s; stopping its process group %d", timeout_s, process.pid)
+            _stop_group(process)
+            returncode = -signal.SIGKILL
+        except BaseException:
+            _stop_group(process)
+            raise
+        finally:
+            if on_main_thread:
+                signal.signal(signal.SIGTERM, previous)
+            memory.stop()
+            reader.join(timeout=10)
+    return RunResult(
+        returncode,
+        time.monotonic() - started,
+        memory.peak_bytes,
+        read_step_metrics(spec.metrics_path),
+        read_advantages(spec.advantages_path),
+        spec.log_path,
+    )
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+class _MemorySampler:
+    """Samples the proportional set size of a process and all its descendants (Ray's workers) every second."""
+
+    _INTERVAL_S = 1.0
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ..processes import all_processes, descendants
+
+        while not self._stop.wait(self._INTERVAL_S):
+            pids = [self.root_pid, *(p.pid for p in descendants({self.root_pid}, all_processes()))]
+            self.peak_bytes = max(self.peak_bytes, sum(_pss_bytes(pid) for pid in pids))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _copy_lines(stream: Any, log: Any, on_line: Callable[[str], None] | None) -> None:
+    for raw in iter(stream.readline, b""):
+        log.write(raw)
+        log.flush()
+        if on_line is not None:
+            on_line(raw.decode(errors="replace").rstrip("\n"))
+    stream.close()
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the run's process group (it is ours: started with a new session), SIGKILL after the grace."""
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

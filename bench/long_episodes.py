@@ -55,7 +55,7 @@ SERVER_START_TIMEOUT_S = 60.0
 
 
 def busy_site():  # the fake server's Site: index and about pages at the observation caps, linking to each other
-    from nemo_gym_browser.testing import fake_environment as fe
+    from nemo_gym_browser.testing import fake_site as fe
 
     base = fe.BUNDLED_ROOT + "site/"
     filler = [f"Item {i}: " + ("a detailed product or article name " * 3) for i in range(ELEMENTS - 2)]

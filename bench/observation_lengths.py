@@ -33,7 +33,8 @@ from pathlib import Path
 from nemo_gym_browser.environment import EnvironmentClient
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import header, write_report
-from nemo_gym_browser.testing.fake_environment import BUNDLED_INITIAL_URL, FakeEnvironmentServer
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.fake_site import BUNDLED_INITIAL_URL
 
 EXAMPLES = """\
 examples:

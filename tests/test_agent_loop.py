@@ -19,7 +19,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from nemo_gym_browser.settings import DROP_INVALID_ENV, BrowserLoopSettings
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT, FakeEnvironmentServer
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.fake_site import BUNDLED_ROOT
 from nemo_gym_browser.testing.faults import Fault
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
@@ -536,7 +537,7 @@ async def test_the_start_page_and_the_allow_list_are_honoured_for_navigation(h):
 
 
 async def test_an_http_start_url_allows_its_origin_and_nothing_else_on_loopback(h):
-    from nemo_gym_browser.testing.fake_environment import Page, Site, link
+    from nemo_gym_browser.testing.fake_site import Page, Site, link
 
     site = Site({"http://127.0.0.1:8123/a.html": Page(title="A", text="a", elements=(link("B", "b.html"),))})
     site = site.with_pages({"http://127.0.0.1:8123/b.html": Page(title="B", text="b")})

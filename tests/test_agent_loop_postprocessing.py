@@ -28,7 +28,7 @@ from nemo_gym_browser.testing.agent_loop_harness import (
     load_tools,
     make_row,
 )
-from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT
+from nemo_gym_browser.testing.fake_site import BUNDLED_ROOT
 from nemo_gym_browser.testing.faults import Fault
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 

@@ -17,21 +17,20 @@ from typing import Any
 import aiohttp
 import pytest
 
-from nemo_gym_browser.testing.fake_environment import (
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.fake_sessions import NO_SESSION_ERROR, SESSION_NOT_FOUND_AT_VERIFY
+from nemo_gym_browser.testing.fake_site import (
     BUNDLED_INITIAL_URL,
     BUNDLED_ROOT,
     BUNDLED_VERIFIER_METADATA,
-    COOKIE_NAME,
-    NO_SESSION_ERROR,
-    SESSION_NOT_FOUND_AT_VERIFY,
     Element,
-    FakeEnvironmentServer,
     Page,
     Site,
     button,
     link,
     text_input,
 )
+from nemo_gym_browser.testing.fake_wire import COOKIE_NAME
 from nemo_gym_browser.testing.faults import Fault, SeenRequest
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)

@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure, FailureKind
-from nemo_gym_browser.testing.fake_environment import COOKIE_NAME, FakeEnvironmentServer
+from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+from nemo_gym_browser.testing.fake_wire import COOKIE_NAME
 from nemo_gym_browser.testing.fault_proxy import FaultProxy, session_id_from_cookie
 from nemo_gym_browser.testing.faults import Fault
 

@@ -37,7 +37,7 @@ from nemo_gym_browser import dropped_rollouts, patches, wiring
 from nemo_gym_browser.episode_metrics import FAILURE_KINDS, FLAG_KEYS, episode_metrics, metrics_from_columns
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config, make_row
-from nemo_gym_browser.testing.fake_environment import BUNDLED_ROOT
+from nemo_gym_browser.testing.fake_site import BUNDLED_ROOT
 from nemo_gym_browser.testing.faults import Fault
 from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 

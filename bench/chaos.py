@@ -30,14 +30,10 @@ import sys
 import time
 
 from nemo_gym_browser.testing.benchmarking import header
-from nemo_gym_browser.testing.chaos_harness import (
-    REAL_SERVER_SETTINGS,
-    ChaosReport,
-    ChaosSettings,
-    FakeBackend,
-    local_environment_backend,
-    run_chaos,
-)
+from nemo_gym_browser.testing.chaos_backends import FakeBackend, local_environment_backend
+from nemo_gym_browser.testing.chaos_harness import run_chaos
+from nemo_gym_browser.testing.chaos_plan import REAL_SERVER_SETTINGS, ChaosSettings
+from nemo_gym_browser.testing.chaos_report import ChaosReport
 
 EXAMPLES = """\
 examples:

@@ -12,8 +12,23 @@ import dataclasses
 
 import pytest
 
-from nemo_gym_browser.testing import chaos_harness as ch
-from nemo_gym_browser.testing.chaos_harness import INFRA, POLICY, ChaosReport, ChaosSettings
+from nemo_gym_browser.testing.chaos_backends import FakeBackend, ProxiedBackend, local_environment_backend
+from nemo_gym_browser.testing.chaos_harness import run_chaos
+from nemo_gym_browser.testing.chaos_plan import (
+    BURST_5XX,
+    EDGE_CASES,
+    HANG_NEAR_DEADLINE,
+    INFRA,
+    JUDGE_DOWN,
+    POLICY,
+    POLICY_OUTCOMES,
+    REAL_SERVER_SETTINGS,
+    SERVER_KILLED,
+    TARGETED_FAULTS,
+    UNINJECTED,
+    ChaosSettings,
+)
+from nemo_gym_browser.testing.chaos_report import ChaosReport
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 FAST = ChaosSettings(
@@ -28,12 +43,12 @@ FAST = ChaosSettings(
     burst_s=0.3,
 )
 # Every targeted fault, the edge case and every policy outcome once (the first entry of the mix is a clean walk).
-ONE_OF_EACH = 1 + len(ch.TARGETED_FAULTS) + len(ch.EDGE_CASES) + len(ch.POLICY_OUTCOMES) - 1
+ONE_OF_EACH = 1 + len(TARGETED_FAULTS) + len(EDGE_CASES) + len(POLICY_OUTCOMES) - 1
 
 
 @contextlib.asynccontextmanager
 async def fakes(count: int):
-    async with ch.FakeBackend(count, latency_s=0.005, downtime_s=0.2) as backend:
+    async with FakeBackend(count, latency_s=0.005, downtime_s=0.2) as backend:
         yield backend
 
 
@@ -50,7 +65,7 @@ async def proxied_fakes(count: int):
         return {"open on the fakes": sum(s.open_sessions for s in servers)}
 
     try:
-        async with ch.ProxiedBackend([s.url for s in servers], restart=restart, leftovers=leftovers) as backend:
+        async with ProxiedBackend([s.url for s in servers], restart=restart, leftovers=leftovers) as backend:
             yield backend
     finally:
         for server in servers:
@@ -63,7 +78,7 @@ def assert_blame_is_right(report: ChaosReport, *, every_slot_valid: bool = True)
     invalid = [r for r in report.records if not r.valid]
     # A judge that stays down leaves its rollout flagged (no new episode is spent on it); a real server takes its
     # time to come back: only its victims may also run out of attempts.
-    allowed_invalid = {ch.JUDGE_DOWN.name} | (set() if every_slot_valid else {ch.SERVER_KILLED.name})
+    allowed_invalid = {JUDGE_DOWN.name} | (set() if every_slot_valid else {SERVER_KILLED.name})
     problems = {
         "misclassified": [(r.index, r.cause.name, r.first_attempt, r.error) for r in report.misclassified],
         "policy rows not as scripted": [r.index for r in report.policy_rows_wrong],
@@ -83,14 +98,14 @@ async def test_every_injected_fault_is_blamed_on_the_infrastructure_no_policy_ou
     backend,
 ):
     async with backend(3) as servers:
-        report = await ch.run_chaos(servers, FAST, target="fakes", targeted_rollouts=ONE_OF_EACH + 4, phase_rollouts=6)
+        report = await run_chaos(servers, FAST, target="fakes", targeted_rollouts=ONE_OF_EACH + 4, phase_rollouts=6)
 
     assert_blame_is_right(report)
     causes = {r.cause.name for r in report.records}
-    assert {c.name for c in (*ch.TARGETED_FAULTS, *ch.EDGE_CASES, *ch.POLICY_OUTCOMES)} <= causes
-    assert ch.SERVER_KILLED.name in causes and ch.BURST_5XX.name in causes
+    assert {c.name for c in (*TARGETED_FAULTS, *EDGE_CASES, *POLICY_OUTCOMES)} <= causes
+    assert SERVER_KILLED.name in causes and BURST_5XX.name in causes
     # The judge stayed down for all its retries: one episode, kept flagged, no new episode spent on it.
-    judge_down = [r for r in report.records if r.cause.name == ch.JUDGE_DOWN.name]
+    judge_down = [r for r in report.records if r.cause.name == JUDGE_DOWN.name]
     assert judge_down and all(r.flags["env_attempts"] == 1 and not r.valid for r in judge_down)
     # The burst (0.3 s) is shorter than the close's retries (0.25 s, then 0.5 s later): every browser is released.
     assert report.left_open_total == 0, report.format()
@@ -98,8 +113,8 @@ async def test_every_injected_fault_is_blamed_on_the_infrastructure_no_policy_ou
 
 async def test_a_call_that_hangs_near_the_deadline_is_blamed_on_the_infrastructure_within_one_call_timeout():
     async with fakes(1) as servers:
-        report = await ch.run_chaos(
-            servers, FAST, target="fakes", targeted_rollouts=2, phase_rollouts=0, causes=[ch.HANG_NEAR_DEADLINE] * 2
+        report = await run_chaos(
+            servers, FAST, target="fakes", targeted_rollouts=2, phase_rollouts=0, causes=[HANG_NEAR_DEADLINE] * 2
         )
 
     assert [r.first_attempt for r in report.records] == [(INFRA, "timeout")] * 2
@@ -112,8 +127,8 @@ async def test_a_5xx_burst_within_the_close_budget_leaves_no_browser_open():
     # Closes answered 5xx are retried for close_timeout_s in all; a burst shorter than that releases every browser.
     long_burst = dataclasses.replace(FAST, burst_s=2.0, close_timeout_s=5.0)
     async with fakes(1) as servers:
-        report = await ch.run_chaos(
-            servers, long_burst, target="fakes", targeted_rollouts=1, phase_rollouts=4, causes=[ch.POLICY_OUTCOMES[0]]
+        report = await run_chaos(
+            servers, long_burst, target="fakes", targeted_rollouts=1, phase_rollouts=4, causes=[POLICY_OUTCOMES[0]]
         )
 
     assert report.closes_refused == 0  # every session had a close that got through, however many the burst met
@@ -122,17 +137,17 @@ async def test_a_5xx_burst_within_the_close_budget_leaves_no_browser_open():
 
 @pytest.mark.integration
 async def test_against_the_real_server_every_fault_is_blamed_on_the_infrastructure_and_nothing_else_is():
-    async with ch.local_environment_backend() as server:
-        report = await ch.run_chaos(
-            server, ch.REAL_SERVER_SETTINGS, target="real", targeted_rollouts=ONE_OF_EACH, phase_rollouts=3
+    async with local_environment_backend() as server:
+        report = await run_chaos(
+            server, REAL_SERVER_SETTINGS, target="real", targeted_rollouts=ONE_OF_EACH, phase_rollouts=3
         )
 
     print(report.format())
     assert_blame_is_right(report, every_slot_valid=False)
     # On a loaded machine the real server may miss a per-call timeout by itself; that is not what this measures.
-    on_its_own = [r.index for r in report.records if r.cause is ch.UNINJECTED]
+    on_its_own = [r.index for r in report.records if r.cause is UNINJECTED]
     assert len(on_its_own) <= len(report.records) // 4, report.format()
-    assert {r.cause.name for r in report.records} >= {ch.SERVER_KILLED.name, ch.BURST_5XX.name}
+    assert {r.cause.name for r in report.records} >= {SERVER_KILLED.name, BURST_5XX.name}
     # Its 2 s burst is shorter than the close budget (close_timeout_s): every close gets through in the end.
     assert report.left_open_total == 0, report.format()
     assert report.left_open["playwright drivers"] == report.left_open["open sessions (seen through the proxies)"]

@@ -1,0 +1,183 @@
+"""What a chaos run found, per rollout and in all (:class:`ChaosReport`).
+
+The confusion matrix of cause against what the rollout recorded for its first attempt (an infrastructure failure,
+with its ``env_failure_kind``, or a valid policy outcome), the sessions left open on the servers, the longest
+attempt (a session's first to last call as the server saw them) against the deadline plus one per-call timeout, and
+the share of rollout slots that still produced a valid sample; :meth:`ChaosReport.targets` says which were met.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chaos_plan import ALL_CAUSES, INFRA, JUDGE_DOWN, POLICY, Cause, ChaosSettings
+
+
+@dataclass
+class RolloutRecord:
+    index: int
+    cause: Cause
+    phase: str
+    output: Any = None
+    error: str | None = None
+
+    @property
+    def flags(self) -> Mapping[str, Any]:
+        return getattr(self.output, "extra_fields", {}) or {}
+
+    @property
+    def first_attempt(self) -> tuple[str, str | None]:
+        """``(INFRA, kind)`` if the first attempt failed in the infrastructure, else ``(POLICY, None)``."""
+        kinds = self.flags.get("env_failed_attempt_kinds") or []
+        return (INFRA, kinds[0]) if kinds else (POLICY, None)
+
+    @property
+    def valid(self) -> bool:
+        return self.output is not None and not self.flags.get("env_invalid", True)
+
+
+@dataclass
+class ChaosReport:
+    target: str
+    settings: ChaosSettings
+    records: list[RolloutRecord]
+    left_open: dict[str, int]  # by what was measured
+    left_open_total: int  # sessions still holding a browser
+    closes_refused: int  # sessions none of whose closes got through (each answered by an injected fault)
+    attempt_seconds: dict[str, float]  # session id -> seed answered to verify/close received
+    loop_lag_s: float  # the longest the run's event loop was late to wake a sleeper (its own overload)
+    wall_s: float
+    unparsed_sessions: list[str] = field(default_factory=list)
+
+    @property
+    def matrix(self) -> dict[str, collections.Counter[str]]:
+        table: dict[str, collections.Counter[str]] = {}
+        for record in self.records:
+            side, _ = record.first_attempt
+            table.setdefault(record.cause.name, collections.Counter())[side] += 1
+        return table
+
+    @property
+    def misclassified(self) -> list[RolloutRecord]:
+        """Rollouts whose first attempt was blamed on the wrong side, or failed with an unexpected kind."""
+        wrong = []
+        for record in self.records:
+            side, kind = record.first_attempt
+            if record.error is not None or side != record.cause.side:
+                wrong.append(record)
+            elif side == INFRA and kind not in record.cause.expected_kinds:
+                wrong.append(record)
+        return wrong
+
+    @property
+    def policy_rows_wrong(self) -> list[RolloutRecord]:
+        """Policy outcomes that did not end as their script intends (deadline rows must hit the deadline, ...)."""
+        wrong = []
+        for record in self.records:
+            if record.cause.side != POLICY or record.output is None:
+                continue
+            flags = record.flags
+            if record.cause.name == "out of time (deadline)" and not flags.get("deadline_hit"):
+                wrong.append(record)
+            if record.cause.name == "judged task" and flags.get("reward_source") != "judge":
+                wrong.append(record)
+        return wrong
+
+    @property
+    def longest_attempt(self) -> tuple[str | None, float]:
+        if not self.attempt_seconds:
+            return None, 0.0
+        session = max(self.attempt_seconds, key=self.attempt_seconds.__getitem__)
+        return session, self.attempt_seconds[session]
+
+    @property
+    def attempt_bound_s(self) -> float:
+        return self.settings.episode_deadline_s + self.settings.call_timeout_s
+
+    @property
+    def valid_expected(self) -> list[RolloutRecord]:
+        """Rollout slots meant to end valid: all but those whose judge stayed down (kept flagged by design)."""
+        return [r for r in self.records if r.cause.name != JUDGE_DOWN.name]
+
+    @property
+    def valid_fraction(self) -> float:
+        expected = self.valid_expected
+        return sum(r.valid for r in expected) / len(expected) if expected else 0.0
+
+    def targets(self) -> list[tuple[str, bool]]:
+        infra = [r for r in self.records if r.cause.side == INFRA]
+        policy = [r for r in self.records if r.cause.side == POLICY]
+        infra_right = [r for r in infra if r.first_attempt[0] == INFRA]
+        kinds_right = [r for r in infra_right if r.first_attempt[1] in r.cause.expected_kinds]
+        policy_blamed = [r for r in policy if r.first_attempt[0] == INFRA]
+        scripted = len(policy) - len(self.policy_rows_wrong)
+        crashed = sum(r.error is not None for r in self.records)
+        _, longest = self.longest_attempt
+        left = self.left_open_total
+        bound = (
+            f"longest attempt {longest:.2f} s vs deadline {self.settings.episode_deadline_s:g} s + one per-call "
+            f"timeout {self.settings.call_timeout_s:g} s = {self.attempt_bound_s:g} s (+ event-loop lag "
+            f"{self.loop_lag_s:.2f} s: every timer of this process fired that late at worst)"
+        )
+        return [
+            (f"infrastructure faults classified infrastructure: {len(infra_right)}/{len(infra)}",
+             len(infra_right) == len(infra)),
+            (f"failure kinds as expected for them: {len(kinds_right)}/{len(infra)}", len(kinds_right) == len(infra)),
+            (f"policy outcomes classified infrastructure: {len(policy_blamed)}/{len(policy)}", not policy_blamed),
+            (f"policy outcomes ended as scripted: {scripted}/{len(policy)}", scripted == len(policy)),
+            (f"sessions left open on the servers: {left} ({self._left_text()})", left == 0),
+            (bound, longest <= self.attempt_bound_s + self.loop_lag_s),
+            (f"rollouts that crashed instead of returning a sample: {crashed}", crashed == 0),
+            (f"session ids not attributable to a rollout: {len(self.unparsed_sessions)}", not self.unparsed_sessions),
+        ]  # fmt: skip
+
+    def _left_text(self) -> str:
+        measures = ", ".join(f"{name} {count}" for name, count in self.left_open.items())
+        return f"{measures}; sessions whose every close got a 5xx: {self.closes_refused}"
+
+    def format(self) -> str:
+        lines = [f"-- {self.target}: {len(self.records)} rollouts in {self.wall_s:.1f} s"]
+        lines.append(
+            f"{'injected cause (first attempt)':<58} | {'infra':>6} | {'policy':>6} | recorded env_failure_kind"
+        )
+        lines.append("-" * 100)
+        kinds: dict[str, collections.Counter[str]] = {}
+        for record in self.records:
+            side, kind = record.first_attempt
+            if side == INFRA:
+                kinds.setdefault(record.cause.name, collections.Counter())[kind or "?"] += 1
+        matrix = self.matrix
+        sides = {r.cause.name: r.cause.side for r in self.records}
+        known = [c.name for c in ALL_CAUSES]
+        for name in [*known, *sorted(set(matrix) - set(known))]:
+            if name not in matrix:
+                continue
+            row = matrix[name]
+            kind_text = ", ".join(f"{k} {n}" for k, n in sorted(kinds.get(name, {}).items()))
+            label = f"{name} ({'infra' if sides[name] == INFRA else 'policy'})"
+            lines.append(f"{label:<58} | {row[INFRA]:>6} | {row[POLICY]:>6} | {kind_text}")
+        resampled = [r for r in self.records if (r.flags.get("env_attempts") or 1) > 1]
+        again = sum(len(r.flags.get("env_failed_attempt_kinds") or []) > 1 for r in self.records)
+        lines.append(
+            f"resampled rollouts: {len(resampled)}, of which a later attempt failed again: {again}; "
+            f"valid samples: {sum(r.valid for r in self.valid_expected)}/{len(self.valid_expected)} = "
+            f"{self.valid_fraction:.1%} (judge-down rows, kept flagged, not counted)"
+        )
+        rollout_walls = [float(r.flags.get("env_episode_wall_s") or 0.0) for r in self.records]
+        session, longest = self.longest_attempt
+        lines.append(
+            f"longest attempt: {longest:.2f} s (session {session}); longest rollout, all attempts and backoffs: "
+            f"{max(rollout_walls, default=0.0):.2f} s"
+        )
+        for record in self.misclassified[:10]:
+            side, kind = record.first_attempt
+            lines.append(
+                f"  MISCLASSIFIED #{record.index} {record.cause.name}: recorded {side} {kind or ''} "
+                f"{record.error or record.flags.get('env_failure_reason') or ''}"[:200]
+            )
+        for text, ok in self.targets():
+            lines.append(f"{'ok  ' if ok else 'MISS'} {text}")
+        return "\n".join(lines)

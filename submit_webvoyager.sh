@@ -306,11 +306,60 @@ HEAD_NODE="${NODES[0]}"
 
 STARTED_PIDS=()
 STARTED_NAMES=()
-# Inside an srun step the task gets SIGUSR1 (srun forwards it; SIGTERM to srun would SIGKILL the step at once) and
-# turns it into SIGTERM for the real process, so servers and Ray shut down their own children in order. A stop we
-# asked for ends the step with status 0; a process that dies by itself ends it with its own status.
+# The task of every srun step: bash -c "${SRUN_WRAPPER}" NAME GRACE_S COMMAND... It gets SIGUSR1 when we stop it
+# (srun forwards it; SIGTERM to srun would SIGKILL the step at once) or SIGTERM when the job is cancelled (Slurm
+# signals each step's processes on each node) and turns it into SIGTERM for the command, so servers and Ray shut down
+# their own children in order. Then, on its own node, it stops whatever of its step still runs: every process there
+# carrying the step's mark, SIGTERM then SIGKILL, within GRACE_S. Slurm's process tracking may miss those (Ray's
+# workers run in process groups of their own and outlive a raylet that was killed), and after a cancellation no
+# other step can reach that node. A stop we asked for ends the step with status 0; a command that dies by itself
+# ends it with its own status. Builtins only for the scan (a helper process would carry the mark too). GRACE_S is
+# 4/5 of STOP_GRACE_S: each step's stop fits in the script's, and servers get most of it to close their browsers.
 # shellcheck disable=SC2016  # expanded by the remote bash
-SRUN_WRAPPER='trap '\''kill -TERM "$child" 2>/dev/null; wait "$child"; exit 0'\'' USR1; "$@" & child=$!; wait "$child"'
+SRUN_WRAPPER='
+export NEMO_GYM_BROWSER_STEP_MARK="${SLURM_JOB_ID:-0}.${SLURM_STEP_ID:-0}.$$"
+grace="$1"
+shift
+step_pids() {
+    local dir pid entry
+    local -a environ
+    STEP_PIDS=()
+    for dir in /proc/[0-9]*; do
+        pid="${dir#/proc/}"
+        [[ "${pid}" == "$$" ]] && continue
+        [[ "${dir}/ns/net" -ef "/proc/$$/ns/net" ]] || continue
+        mapfile -d "" -t environ 2>/dev/null <"${dir}/environ" || continue
+        for entry in "${environ[@]}"; do
+            if [[ "${entry}" == "NEMO_GYM_BROWSER_STEP_MARK=${NEMO_GYM_BROWSER_STEP_MARK}" ]]; then
+                STEP_PIDS+=("${pid}")
+                break
+            fi
+        done
+    done
+}
+nap() { env -u NEMO_GYM_BROWSER_STEP_MARK sleep 0.5; }
+sweep() {
+    local deadline=$((SECONDS + grace))
+    while kill -0 "${child}" 2>/dev/null && ((SECONDS < deadline)); do nap; done
+    step_pids
+    if ((${#STEP_PIDS[@]})); then kill -TERM "${STEP_PIDS[@]}" 2>/dev/null; fi
+    while ((${#STEP_PIDS[@]})) && ((SECONDS < deadline)); do nap; step_pids; done
+    if ((${#STEP_PIDS[@]})); then kill -KILL "${STEP_PIDS[@]}" 2>/dev/null; fi
+    wait "${child}" 2>/dev/null
+}
+stop() {
+    trap "" USR1 TERM
+    kill -TERM "${child}" 2>/dev/null
+    sweep
+    exit 0
+}
+trap stop USR1 TERM
+"$@" &
+child=$!
+wait "${child}"
+rc=$?
+sweep
+exit "${rc}"'
 
 # One task on one node. Without --exact a step gets all of the job's CPUs and GPUs on its node (Ray's raylet and
 # every worker it forks live in the step that started it); --overlap lets the steps share them; --mem=0 gives each
@@ -323,7 +372,7 @@ launch() {
     shift 3
     if ((USE_SRUN)); then
         srun "${SRUN_STEP[@]}" --nodelist="${node}" --job-name="${name}" \
-            bash -c "${SRUN_WRAPPER}" "${name}" "$@" </dev/null >"${logfile}" 2>&1 &
+            bash -c "${SRUN_WRAPPER}" "${name}" "$((STOP_GRACE_S * 4 / 5))" "$@" </dev/null >"${logfile}" 2>&1 &
     else
         setsid "$@" </dev/null >"${logfile}" 2>&1 &
     fi
@@ -448,9 +497,9 @@ cleanup() {
     done
     wait 2>/dev/null
     # 4. The other nodes: their processes stopped with their srun steps; a short step on each makes sure (and kills
-    #    what escaped). After a cancellation Slurm refuses new steps: its own end of the job covers those nodes.
+    #    what escaped). Not after a cancellation: Slurm refuses new steps then, and ends the job on every node itself.
     local node left checked=("${HEAD_NODE}") unchecked=()
-    if ((USE_SRUN)); then
+    if ((USE_SRUN && rc != 143 && rc != 130)); then
         for node in "${NODES[@]:1}"; do
             if left="$(timeout -k 5 30 srun "${SRUN_STEP[@]}" --nodelist="${node}" --job-name=cleanup-check \
                 bash -c "${LEFT_ON_NODE}" left "${NEMO_GYM_BROWSER_PROCESS_MARK}" </dev/null 2>/dev/null)"; then
@@ -460,10 +509,12 @@ cleanup() {
                 unchecked+=("${node}")
             fi
         done
+    elif ((USE_SRUN)); then
+        unchecked=("${NODES[@]:1}")
     fi
     marked_pids
     if ((${#MARKED[@]} == 0)); then
-        log "cleanup: done; no process of run ${RUN_ID} is left on ${checked[*]}${unchecked[*]:+ (not checked: ${unchecked[*]}, Slurm ends the job there)}"
+        log "cleanup: done; no process of run ${RUN_ID} is left on ${checked[*]}${unchecked[*]:+ (not checked after a cancellation: ${unchecked[*]}, where each step stops its own)}"
     else
         log "cleanup: WARNING: processes still running: $(describe_pids "${MARKED[@]}")"
     fi
@@ -632,6 +683,12 @@ if ((NNODES == 1)); then
     RAY_HEAD_IP=127.0.0.1
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 else
+    # The one-node switch above, exported by a config.env (the CPU test backend's environment does), makes every
+    # Ray worker node refuse to start ("Multi-node Ray clusters are not supported on Windows and OSX").
+    if [[ "${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER:-}" == 0 ]]; then
+        log "note: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is a one-node setting; unset for this ${NNODES}-node run"
+        unset RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
+    fi
     # Every Ray node registers at the address the others reach it at: the head's is where the workers connect.
     for node in "${NODES[@]}"; do
         NODE_IPS["${node}"]="$(node_address "${node}")"

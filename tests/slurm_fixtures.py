@@ -493,6 +493,57 @@ class FinishedJob:
     seconds: float
 
 
+def sbatch(
+    slurm: LocalSlurm, script: Path, args: list[str], *, config_env: Path, run_id: str, workdir: Path
+) -> tuple[str, Path]:
+    """Submits the script on every node of ``slurm``, without GPUs, from ``workdir`` (not the recipe folder: the
+    script must find it by itself); returns the job id and the job's log file."""
+    job_log = workdir / "job.out"
+    submitted = subprocess.run(
+        slurm.command(
+            "sbatch",
+            "--parsable",
+            f"--nodes={len(slurm.nodes)}",
+            "--gpus-per-node=0",
+            "--time=30",
+            f"--output={job_log}",
+            str(script),
+            *args,
+        ),
+        env={**slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert submitted.returncode == 0, f"sbatch exit {submitted.returncode}: {submitted.stderr}"
+    return submitted.stdout.strip().split(";")[0], job_log
+
+
+def wait_until_gone(slurm: LocalSlurm, job_id: str, timeout_s: float, logs: list[Path]) -> None:
+    """Returns once ``job_id`` has left the queue (polled each second: ``sbatch --wait`` polls up to 30 s apart)."""
+
+    def gone() -> bool:
+        queue = subprocess.run(
+            slurm.command("squeue", "-h", "-j", job_id), env=slurm.env, capture_output=True, text=True, timeout=30
+        )
+        return queue.returncode == 0 and queue.stdout.strip() == ""
+
+    wait_for(gone, timeout_s, f"job {job_id} to leave the queue", logs)
+
+
+def job_state(slurm: LocalSlurm, job_id: str) -> str:
+    """``scontrol show job`` for ``job_id``, one line (JobState=..., ExitCode=...)."""
+    shown = subprocess.run(
+        slurm.command("scontrol", "show", "job", "-o", job_id),
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return shown.stdout
+
+
 def sbatch_wait(
     slurm: LocalSlurm,
     script: Path,
@@ -504,46 +555,16 @@ def sbatch_wait(
     timeout_s: float,
     expect_failure: bool = False,
 ) -> FinishedJob:
-    """``sbatch --wait`` the script on every node of ``slurm``, without GPUs, from ``workdir``; fails unless it
-    COMPLETED with 0 (or, with ``expect_failure``, unless it FAILED with exit status 1)."""
-    job_log = workdir / "job.out"
+    """Submits the script (:func:`sbatch`) and waits for the job to end; fails unless it COMPLETED with 0 (or,
+    with ``expect_failure``, unless it FAILED with exit status 1)."""
     started = time.monotonic()
-    submitted = subprocess.run(
-        slurm.command(
-            "sbatch",
-            "--wait",
-            "--parsable",
-            f"--nodes={len(slurm.nodes)}",
-            "--gpus-per-node=0",
-            "--time=30",
-            f"--output={job_log}",
-            str(script),
-            *args,
-        ),
-        env={**slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
-        cwd=workdir,  # not the recipe folder: the script must find it by itself
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    job_id, job_log = sbatch(slurm, script, args, config_env=config_env, run_id=run_id, workdir=workdir)
+    wait_until_gone(slurm, job_id, timeout_s, [job_log])
     seconds = time.monotonic() - started
     log = job_log.read_text() if job_log.exists() else ""
-    assert submitted.returncode == (1 if expect_failure else 0), (
-        f"sbatch exit {submitted.returncode}\nstdout: {submitted.stdout}\nstderr: {submitted.stderr}\n"
-        f"job log:\n{log[-8000:]}"
-    )
-    job_id = submitted.stdout.strip().split(";")[0]
-    state = subprocess.run(
-        slurm.command("scontrol", "show", "job", "-o", job_id),
-        env=slurm.env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout
-    if expect_failure:
-        assert "JobState=FAILED" in state and "ExitCode=1:0" in state, state
-    else:
-        assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
+    state = job_state(slurm, job_id)
+    expected = ("JobState=FAILED", "ExitCode=1:0") if expect_failure else ("JobState=COMPLETED", "ExitCode=0:0")
+    assert all(part in state for part in expected), f"{state}\njob log:\n{log[-8000:]}"
     return FinishedJob(job_id, log, seconds)
 
 

@@ -28,10 +28,13 @@ from slurm_fixtures import (
     assert_hosts_quiet,
     assert_in_order,
     firewall,
+    job_state,
     leftover_processes,
     listening_pid,
+    sbatch,
     sbatch_wait,
     wait_for,
+    wait_until_gone,
 )
 
 from nemo_gym_browser.local import cpu_backend
@@ -197,19 +200,22 @@ def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path], **ext
     return config_env
 
 
-def cpu_job_overrides(tmp_path: Path, steps: int = STEPS) -> list[str]:
-    """The CPU backend's overrides for a job whose Ray cluster the script starts, ``steps`` steps, trajectories on."""
+def cpu_job_overrides(tmp_path: Path, steps: int = STEPS, *, validate: bool = True) -> list[str]:
+    """The CPU backend's overrides for a job whose Ray cluster the script starts: ``steps`` steps, trajectories on,
+    and the final validation (the held-back tasks) unless not ``validate``."""
     return [o for o in cpu_backend.cpu_overrides() if "ray_kwargs" not in o] + [
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
         f"nemo_gym_browser.trajectory_dir={tmp_path / 'trajectories'}",
+        *([] if validate else ["trainer.test_freq=-1"]),
     ]
 
 
-def episodes_by_host(trajectories: Path) -> dict[str, list[dict]]:
-    """Every recorded episode, by the host whose agent-loop worker ran it (``<host>-<pid>.jsonl``)."""
+def episodes_by_host(trajectories: Path, step: int) -> dict[str, list[dict]]:
+    """The episodes recorded in training step ``step``, by the host whose agent-loop worker ran it
+    (``step-<step>/<host>-<pid>.jsonl``); the last step's folder also holds the final validation's."""
     found: dict[str, list[dict]] = {}
-    for path in sorted(trajectories.glob("step-*/*.jsonl")):
+    for path in sorted(trajectories.glob(f"step-{step:06d}/*.jsonl")):
         host = path.name.rsplit("-", 1)[0]
         found.setdefault(host, []).extend(json.loads(line) for line in path.read_text().splitlines() if line)
     return found
@@ -254,11 +260,12 @@ def test_two_node_sbatch_trains_two_steps_with_rollouts_on_both_hosts_each_on_it
 
     # An agent-loop worker on each host ran episodes; its 127.0.0.1 servers are that host's own (nothing else is
     # reachable there), and every episode was scored by the environment's verify.
-    episodes = episodes_by_host(tmp_path / "trajectories")
-    assert sorted(episodes) == ["h1", "h2"], sorted(episodes)
-    assert sum(len(records) for records in episodes.values()) == STEPS * 4
-    for records in episodes.values():
-        assert all(record["flags"]["reward_source"] == "verify" for record in records), records[0]["flags"]
+    for step in range(1, STEPS + 1):
+        episodes = episodes_by_host(tmp_path / "trajectories", step)
+        assert sorted(episodes) == ["h1", "h2"], (step, sorted(episodes))
+        for records in episodes.values():
+            assert all(record["flags"]["reward_source"] == "verify" for record in records), records[0]["flags"]
+    assert sum(len(records) for records in episodes_by_host(tmp_path / "trajectories", 1).values()) == 4
     assert_nothing_left_on_either_host(two_node_slurm, job.job_id, job.log)
 
 
@@ -272,49 +279,8 @@ DOOMED_PORT = ENV_PORT + 1
 CANCEL_AFTER_S = 30
 
 
-def submit(slurm: LocalSlurm, args: list[str], *, config_env: Path, run_id: str, workdir: Path) -> tuple[str, Path]:
-    """``sbatch --nodes=2`` without waiting: the job id and its log file."""
-    job_log = workdir / "job.out"
-    submitted = subprocess.run(
-        slurm.command(
-            "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=30", f"--output={job_log}", str(SCRIPT)
-        )
-        + args,
-        env={**slurm.env, "CONFIG_ENV": str(config_env), "NEMO_GYM_BROWSER_RUN_ID": run_id},
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert submitted.returncode == 0, submitted.stderr
-    return submitted.stdout.strip().split(";")[0], job_log
-
-
 def read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
-
-
-def wait_until_gone(slurm: LocalSlurm, job_id: str, timeout_s: float, logs: list[Path]) -> None:
-    """Returns once ``job_id`` has left the queue."""
-
-    def gone() -> bool:
-        queue = subprocess.run(
-            slurm.command("squeue", "-h", "-j", job_id), env=slurm.env, capture_output=True, text=True, timeout=30
-        )
-        return queue.stdout.strip() == ""
-
-    wait_for(gone, timeout_s, f"job {job_id} to leave the queue", logs)
-
-
-def job_state(slurm: LocalSlurm, job_id: str) -> str:
-    shown = subprocess.run(
-        slurm.command("scontrol", "show", "job", "-o", job_id),
-        env=slurm.env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return shown.stdout
 
 
 def test_when_h2s_ray_worker_cannot_reach_the_head_the_job_fails_within_the_bounded_wait_and_stops_everything(
@@ -356,9 +322,8 @@ def test_when_h2s_environment_server_dies_mid_run_its_episodes_are_resampled_on_
 ) -> None:
     config_env = training_config(tmp_path, tiny_policy, shop_rows, ENV_SERVERS_PER_NODE=2, SAVE_FREQ=100)
     run_id = f"two-node-envdeath-{os.getpid()}-{int(time.time())}"
-    job_id, job_log = submit(
-        two_node_slurm, cpu_job_overrides(tmp_path, steps=1), config_env=config_env, run_id=run_id, workdir=tmp_path
-    )
+    overrides = cpu_job_overrides(tmp_path, steps=1, validate=False)
+    job_id, job_log = sbatch(two_node_slurm, SCRIPT, overrides, config_env=config_env, run_id=run_id, workdir=tmp_path)
     started = time.monotonic()
     # Once the trainer starts, h2's second server dies (SIGKILL, no goodbye); h1's two and h2's first live on.
     wait_for(lambda: "training: " in read(job_log), DRY_RUN_TIMEOUT_S, "the training step", [job_log])
@@ -373,7 +338,7 @@ def test_when_h2s_environment_server_dies_mid_run_its_episodes_are_resampled_on_
     steps = read_step_metrics(tmp_path / "metrics.jsonl")
     assert sorted(steps) == [1], log[-4000:]
     assert steps[1]["env/samples"] == 4 and steps[1]["env/reward_source/verify"] == 1.0, steps[1]
-    episodes = episodes_by_host(tmp_path / "trajectories")
+    episodes = episodes_by_host(tmp_path / "trajectories", 1)
     assert sorted(episodes) == ["h1", "h2"], sorted(episodes)
     # h2: an attempt on the dead server failed as infrastructure and was run again, on h2's live server, and scored
     resampled = [record for record in episodes["h2"] if record["failed_attempt_kinds"]]
@@ -382,6 +347,8 @@ def test_when_h2s_environment_server_dies_mid_run_its_episodes_are_resampled_on_
         assert set(record["failed_attempt_kinds"]) <= {"unreachable", "session_lost", "server_error"}, record
         assert record["flags"]["env_invalid"] is False and record["flags"]["reward_source"] == "verify", record
         assert record["flags"]["attempts"] == len(record["failed_attempt_kinds"]) + 1
+    # h2's own agent-loop worker saw its server go and took it out of rotation
+    assert re.search(rf"ip=10\.211\.0\.2\).*environment server http://127\.0\.0\.1:{DOOMED_PORT} out of rotation", log)
     # h1's servers are not h2's: nothing failed there
     assert all(not record["failed_attempt_kinds"] for record in episodes["h1"]), [r["flags"] for r in episodes["h1"]]
     assert f"cleanup: done; no process of run {run_id} is left on h1 h2\n" in log
@@ -393,9 +360,8 @@ def test_scancel_mid_run_stops_every_process_on_both_hosts(
 ) -> None:
     config_env = training_config(tmp_path, tiny_policy, shop_rows)
     run_id = f"two-node-cancel-{os.getpid()}-{int(time.time())}"
-    job_id, job_log = submit(
-        two_node_slurm, cpu_job_overrides(tmp_path), config_env=config_env, run_id=run_id, workdir=tmp_path
-    )
+    overrides = cpu_job_overrides(tmp_path, validate=False)
+    job_id, job_log = sbatch(two_node_slurm, SCRIPT, overrides, config_env=config_env, run_id=run_id, workdir=tmp_path)
     started = time.monotonic()
     # Cancel while the trainer runs: servers, Ray and verl's workers on both hosts.
     wait_for(lambda: "training: " in read(job_log), DRY_RUN_TIMEOUT_S, "the training step", [job_log])

@@ -63,16 +63,6 @@ RUN_TIMEOUT_S = 240.0
 REAP_WAIT_TTLS = 4
 
 
-class PeakCountingServer(FakeEnvironmentServer):
-    """The fake server, also remembering the most browsers it ever held open at once."""
-
-    peak_open_sessions = 0
-
-    async def _open_session(self, session_id: str, spec: Any) -> None:
-        await super()._open_session(session_id, spec)
-        self.peak_open_sessions = max(self.peak_open_sessions, self.open_sessions)
-
-
 class StaticShareClient(EnvironmentClient):
     """An ``EnvironmentClient`` whose sessions go through a given placement (the config names no static share)."""
 
@@ -156,7 +146,7 @@ class Run:
     freed_after_kill_s: float | None = None  # until the last of them was closed (None: never, within the wait)
 
 
-def open_by(servers: list[PeakCountingServer], prefix: str) -> int:
+def open_by(servers: list[FakeEnvironmentServer], prefix: str) -> int:
     return sum(session.startswith(prefix) for server in servers for session in server.open_session_ids)
 
 
@@ -165,7 +155,7 @@ async def run_batch(
 ) -> Run:
     import ray
 
-    servers = [PeakCountingServer(latency_s=args.latency) for _ in range(args.servers)]
+    servers = [FakeEnvironmentServer(latency_s=args.latency) for _ in range(args.servers)]
     for server in servers:
         await server.start()
     run = Run(design=design, killed=kill)

@@ -292,6 +292,11 @@ class FakeEnvironmentServer(LoopbackServer):
         return self._sessions.open_session_ids
 
     @property
+    def peak_open_sessions(self) -> int:
+        """The most browsers this server ever held open at once (what a per-server cap bounds)."""
+        return self._sessions.peak_open
+
+    @property
     def orphaned_browsers(self) -> int:
         """Seeds cancelled while ``browser_open_s`` was running: the real server strands those browsers."""
         return self._sessions.orphaned_browsers

@@ -65,6 +65,7 @@ class SessionTable:
 
     def __init__(self) -> None:
         self.orphaned_browsers = 0
+        self.peak_open = 0  # the most browsers ever open at once
         self._states: dict[str, SessionState] = {}
         self._typed_identity: dict[str, tuple[EpisodeId, TaskId]] = {}
         self._typed_closed: dict[str, EpisodeId] = {}
@@ -114,6 +115,7 @@ class SessionTable:
         if initial_url:
             browser.goto(initial_url)  # raises Error: the seed answers 500 and nothing stays open
         self._states[session_id] = SessionState(browser=browser, gt=dict(spec.verifier_metadata or {}))
+        self.peak_open = max(self.peak_open, len(self._states))
 
     def release(self, session_id: str | None) -> None:
         if session_id is not None:

@@ -25,16 +25,6 @@ SERVER = "http://127.0.0.1:8100"
 TICKET = {"session_id": "r1.1.0", "rollout_id": "r1", "attempt": 1}
 
 
-class PeakCountingServer(FakeEnvironmentServer):
-    """The fake server, also remembering the most browsers it ever held open at once."""
-
-    peak_open_sessions = 0
-
-    async def _open_session(self, session_id, spec) -> None:
-        await super()._open_session(session_id, spec)
-        self.peak_open_sessions = max(self.peak_open_sessions, self.open_sessions)
-
-
 def session_holder_actor():
     """A Ray actor class (defined here so that Ray ships it by value) that opens sessions like a rollout worker."""
     import ray
@@ -166,7 +156,7 @@ async def test_a_server_reported_down_gets_sessions_only_when_no_other_is_in_rot
 
 @pytest.fixture
 async def server():
-    async with PeakCountingServer() as fake:
+    async with FakeEnvironmentServer() as fake:
         yield fake
 
 

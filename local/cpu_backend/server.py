@@ -58,7 +58,7 @@ Guarantees
       admission is answered at once. A cancelled coroutine re-raises ``CancelledError`` after its sequence has left
       the batch. Cancelling the *caller* of a Ray call is not enough: Ray 2.60 does not cancel the actor task when
       the awaiting asyncio task is cancelled (the same holds for vLLM's server), which is why the recipe's loop
-      ``ray.cancel``s the requests of a generation it cuts (``browser_agent_loop.generate_within``).
+      ``ray.cancel``s the requests of a generation it cuts (``rollout_cancel.generate_within``).
     * A forward pass that raises fails the requests in it (the prefill: that request; a decode step: the batch);
       the server keeps serving.
     * The decode runs in one dedicated thread with ``torch.set_num_threads(num_threads)``
@@ -81,14 +81,12 @@ from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import TokenOutput
 
 from . import ROLLOUT_NAME, THREADS_KEY
+from .decode_batch import ATTENTION, BatchRow, DecodeBatch
 from .sampling import LOGPROBS_MODES, SamplingSpec, choose_token, parse_sampling_params
 
 logger = logging.getLogger(__name__)
@@ -106,10 +104,6 @@ _TORCH_DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-# Positions a batch's cache is allocated beyond its longest sequence (it grows by a quarter when they are used).
-_MIN_CACHE_ROOM = 64
-# The model's attention: sdpa with grouped key/value heads left grouped (see _grouped_sdpa).
-_ATTENTION = "hfcpu_sdpa"
 _T = TypeVar("_T")
 
 
@@ -180,166 +174,6 @@ def _settle(future: asyncio.Future, outcome: Any) -> None:
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    """A request being decoded (decode thread only)."""
-
-    request: _Request
-    length: int  # tokens in its key/value cache: the prompt and every sampled token but the last
-    logits: torch.Tensor  # the distribution of its next token
-    seen: torch.Tensor | None  # prompt and output tokens, for the repetition penalty
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    log_probs: list[float] = dataclasses.field(default_factory=list)
-    left: bool = False
-
-
-def _grouped_sdpa(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention, but grouped key/value heads go to torch as they are (``enable_gqa``):
-    transformers repeats them whenever there is a mask, a copy of the batch's whole cache per layer and step (about
-    7x the attention's own time for 64 sequences of 1500 positions)."""
-    causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else True)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=causal,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    return output.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(_ATTENTION, _grouped_sdpa)
-AttentionMaskInterface.register(_ATTENTION, sdpa_mask)
-
-
-class _GrowingLayer(DynamicLayer):
-    """A cache layer whose keys and values live in buffers with room to grow: a decode step writes one position
-    instead of copying the whole cache (``DynamicLayer`` concatenates)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        super().__init__()
-        self.lazy_initialization(keys, values)
-        self._buffers = (keys, values)
-        self._length = length
-        self._expose()
-
-    def _expose(self) -> None:
-        self.keys = self._buffers[0][:, :, : self._length]
-        self.values = self._buffers[1][:, :, : self._length]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        end = self._length + key_states.shape[-2]
-        if end > self._buffers[0].shape[-2]:
-            self._buffers = tuple(_with_room(buffer, self._length, end) for buffer in self._buffers)
-        self._buffers[0][:, :, self._length : end] = key_states
-        self._buffers[1][:, :, self._length : end] = value_states
-        self._length = end
-        self._expose()
-        return self.keys, self.values
-
-
-def _with_room(buffer: torch.Tensor, used: int, needed: int) -> torch.Tensor:
-    """A zeroed ``[batch, heads, positions, dim]`` buffer for ``needed`` positions and room for more, holding the
-    first ``used`` positions of ``buffer``."""
-    batch, heads, _, dim = buffer.shape
-    grown = buffer.new_zeros(batch, heads, needed + max(_MIN_CACHE_ROOM, needed // 4), dim)
-    grown[:, :, :used] = buffer[:, :, :used]
-    return grown
-
-
-class _DecodeBatch:
-    """The sequences decoded together: one key/value cache left-padded to the longest sequence, one row each.
-
-    Sequences join after their prefill and leave when they finish; the cache is rebuilt (rows dropped and added,
-    padding trimmed) only before a decode step that follows such a change. Padding holds zeros (a masked position
-    must stay finite: its attention weight is 0, and 0 * inf is not).
-    """
-
-    def __init__(self) -> None:
-        self._rows: list[_Sequence] = []  # aligned with the cache's batch dimension
-        self._joining: list[tuple[_Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        self._cache: Cache | None = None
-        self._width = 0
-
-    def sequences(self) -> list[_Sequence]:
-        return [row for row in self._rows if not row.left] + [row for row, _ in self._joining if not row.left]
-
-    def __len__(self) -> int:
-        return len(self.sequences())
-
-    def join(self, row: _Sequence, cache: Cache) -> None:
-        self._joining.append((row, [(layer.keys, layer.values) for layer in cache.layers]))
-
-    def step(self, model: torch.nn.Module) -> None:
-        """One forward pass over every sequence's last token; each sequence's ``logits`` become its next ones."""
-        if self._joining or any(row.left for row in self._rows):
-            self._rebuild()
-        if not self._rows:
-            return
-        lengths = torch.tensor([row.length for row in self._rows])
-        padding = (self._width - lengths).unsqueeze(1)
-        output = model(
-            input_ids=torch.tensor([[row.tokens[-1]] for row in self._rows]),
-            attention_mask=(torch.arange(self._width + 1).unsqueeze(0) >= padding).long(),
-            position_ids=lengths.unsqueeze(1),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._width += 1
-        for row, logits in zip(self._rows, output.logits[:, -1], strict=True):
-            row.logits = logits
-            row.length += 1
-
-    def clear(self) -> list[_Sequence]:
-        """Drop every sequence (after a failed step); returns those that had not left."""
-        remaining = self.sequences()
-        self._rows, self._joining, self._cache, self._width = [], [], None, 0
-        return remaining
-
-    def _rebuild(self) -> None:
-        kept = [index for index, row in enumerate(self._rows) if not row.left]
-        joining = [(row, states) for row, states in self._joining if not row.left]
-        rows = [self._rows[index] for index in kept] + [row for row, _ in joining]
-        self._joining = []
-        if not rows:
-            self.clear()
-            return
-        width = max(row.length for row in rows)
-        index = torch.tensor(kept, dtype=torch.long)
-        layers = []
-        for layer in range(len(self._cache.layers) if self._cache is not None else len(joining[0][1])):
-            pair = []
-            for part in (0, 1):  # keys, values
-                old = self._cache.layers[layer] if kept else None
-                sample = joining[0][1][layer][part] if joining else (old.keys, old.values)[part]
-                _, heads, _, dim = sample.shape
-                buffer = sample.new_zeros(len(rows), heads, width + _MIN_CACHE_ROOM, dim)
-                if old is not None:
-                    old_states = (old.keys, old.values)[part].index_select(0, index)
-                    # Every kept row is right-aligned at the old width; the leading columns cut are padding.
-                    shared = min(width, self._width)
-                    buffer[: len(kept), :, width - shared : width] = old_states[:, :, self._width - shared :]
-                for offset, (row, states) in enumerate(joining, start=len(kept)):
-                    buffer[offset, :, width - row.length : width] = states[layer][part][0]
-                pair.append(buffer)
-            layers.append(_GrowingLayer(pair[0], pair[1], width))
-        self._rows, self._width = rows, width
-        self._cache = Cache(layers=layers)
 
 
 def _eos_ids(model_config: HFModelConfig) -> frozenset[int]:
@@ -432,7 +266,7 @@ class HFCpuServer:
                 attn_implementation="sdpa",
                 trust_remote_code=self.model_config.trust_remote_code,
             )
-        model.set_attn_implementation(_ATTENTION)
+        model.set_attn_implementation(ATTENTION)
         return model.eval()
 
     def describe(self) -> dict[str, Any]:
@@ -552,7 +386,7 @@ class HFCpuServer:
 
     def _serve(self) -> None:
         """Decode until no request is admitted or in the batch (runs in the decode thread)."""
-        batch = _DecodeBatch()
+        batch = DecodeBatch()
         try:
             while True:
                 with self._state:
@@ -584,7 +418,7 @@ class HFCpuServer:
                 request.finish(exc)
             raise
 
-    def _prefill(self, request: _Request, batch: _DecodeBatch) -> None:
+    def _prefill(self, request: _Request, batch: DecodeBatch) -> None:
         if request.cancel.is_set():
             request.finish(_Outcome([], [], "abort", self.global_steps))
             return
@@ -598,15 +432,15 @@ class HFCpuServer:
         if request.spec.repetition_penalty != 1.0:
             seen = torch.zeros(output.logits.shape[-1], dtype=torch.bool)
             seen[request.prompt] = True
-        row = _Sequence(request, length=len(request.prompt), logits=output.logits[0, -1], seen=seen)
+        row = BatchRow(request, length=len(request.prompt), logits=output.logits[0, -1], seen=seen)
         batch.join(row, output.past_key_values)
 
-    def _drop_cancelled(self, batch: _DecodeBatch) -> None:
+    def _drop_cancelled(self, batch: DecodeBatch) -> None:
         for row in batch.sequences():
             if row.request.cancel.is_set():
                 self._leave(row, "abort")
 
-    def _choose_tokens(self, batch: _DecodeBatch) -> None:
+    def _choose_tokens(self, batch: DecodeBatch) -> None:
         """One token for every sequence in the batch, from its own generator; finished sequences leave."""
         for row in batch.sequences():
             spec = row.request.spec
@@ -631,7 +465,7 @@ class HFCpuServer:
             elif len(row.tokens) >= spec.max_tokens:
                 self._leave(row, "length")
 
-    def _leave(self, row: _Sequence, reason: str) -> None:
+    def _leave(self, row: BatchRow, reason: str) -> None:
         row.left = True
         row.request.finish(_Outcome(row.tokens, row.log_probs, reason, self.global_steps))
 

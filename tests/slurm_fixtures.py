@@ -331,6 +331,8 @@ def delete_hosts(namespaces: dict[str, str]) -> None:
                 os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
         shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        Path("/etc/netns").rmdir()  # only when empty: another user's namespaces keep theirs
 
 
 def as_host(namespace: str, node: str, argv: list[str]) -> list[str]:

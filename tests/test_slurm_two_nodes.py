@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from slurm_fixtures import (
     DRY_RUN_TIMEOUT_S,
+    HOST_INTERFACE,
     HOST_JUDGE_MODEL,
     HOST_JUDGE_PORT,
     TWO_HOSTS,
@@ -162,8 +163,8 @@ TRAIN_TIMEOUT_S = 1800
 
 
 def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path], **extra: object) -> Path:
-    """A config.env for a CPU training job on both hosts: one agent-loop worker and ``ENV_SERVERS_PER_NODE`` servers
-    per host, the tiny policy, the shop's rows; trajectories recorded, so each episode names its host."""
+    """A config.env for a CPU training job on both hosts: one actor rank (a logical GPU), one agent-loop worker and
+    ``ENV_SERVERS_PER_NODE`` servers per host, the tiny policy, the shop's rows."""
     settings: dict[str, object] = {
         "MODEL_PATH": policy,
         "TRAIN_FILES": rows[0],
@@ -193,7 +194,13 @@ def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path], **ext
         **extra,
     }
     lines = [f"{key}={value}" for key, value in settings.items()]
-    exports = {**cpu_backend.cpu_env(), "VERL_FILE_LOGGER_PATH": str(tmp_path / "metrics.jsonl")}
+    exports = {
+        **cpu_backend.cpu_env(),
+        "VERL_FILE_LOGGER_PATH": str(tmp_path / "metrics.jsonl"),
+        # gloo joins the two ranks over this interface (a host name resolves to 127.0.1.1 here), as NCCL_SOCKET_IFNAME
+        # does on GPU nodes
+        "GLOO_SOCKET_IFNAME": HOST_INTERFACE,
+    }
     lines += [f"export {key}={value}" for key, value in exports.items()]
     config_env = tmp_path / "config.env"
     config_env.write_text("\n".join(lines) + "\n")
@@ -202,8 +209,11 @@ def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path], **ext
 
 def cpu_job_overrides(tmp_path: Path, steps: int = STEPS, *, validate: bool = True) -> list[str]:
     """The CPU backend's overrides for a job whose Ray cluster the script starts: ``steps`` steps, trajectories on,
-    and the final validation (the held-back tasks) unless not ``validate``."""
-    return [o for o in cpu_backend.cpu_overrides() if "ray_kwargs" not in o] + [
+    and the final validation (the held-back tasks) unless not ``validate``. The backend's one-node
+    ``trainer.nnodes=1`` is left out: the script's ``trainer.nnodes=2`` stands, one actor rank per host."""
+    kept = [o for o in cpu_backend.cpu_overrides() if "ray_kwargs" not in o and not o.startswith("trainer.nnodes=")]
+    return [
+        *kept,
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
         f"nemo_gym_browser.trajectory_dir={tmp_path / 'trajectories'}",
@@ -249,6 +259,9 @@ def test_two_node_sbatch_trains_two_steps_with_rollouts_on_both_hosts_each_on_it
             f"cleanup: done; no process of run {run_id} is left on h1 h2\n",
         ],
     )
+    # verl's actor workers: one rank on each host, trained together (FSDP over gloo between the hosts)
+    actors = set(re.findall(r"\(WorkerDict pid=(\d+)(?:, ip=(10\.211\.0\.2))?\)", job.log))
+    assert sorted({address or "10.211.0.1" for _, address in actors}) == ["10.211.0.1", "10.211.0.2"], actors
     steps = read_step_metrics(tmp_path / "metrics.jsonl")
     assert sorted(steps) == [1, 2], job.log[-4000:]
     for metrics in steps.values():

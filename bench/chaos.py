@@ -28,8 +28,9 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
-from nemo_gym_browser.testing.benchmarking import header
+from nemo_gym_browser.testing.benchmarking import header, write_report
 from nemo_gym_browser.testing.chaos_backends import FakeBackend, local_environment_backend
 from nemo_gym_browser.testing.chaos_harness import run_chaos
 from nemo_gym_browser.testing.chaos_plan import REAL_SERVER_SETTINGS, ChaosSettings
@@ -74,6 +75,9 @@ async def run_real_target(args: argparse.Namespace) -> ChaosReport:
         )
 
 
+DEFAULT_JSON = Path(__file__).resolve().parent / "chaos.json"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chaos.py",
@@ -89,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-ms", type=float, default=10.0, help="fake: delay per call (default 10)")
     parser.add_argument("--real-rollouts", type=int, default=34, help="real: rollouts of the targeted phase (34)")
     parser.add_argument("--real-phase-rollouts", type=int, default=6, help="real: rollouts per server-wide phase")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the recipe's warnings")
     return parser
 
@@ -117,8 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.target in ("real", "both"):
         reports.append(asyncio.run(run_real_target(args)))
         print(reports[-1].format(), flush=True)
-    print(f"done in {time.monotonic() - started:.0f} s")
+    wall_s = time.monotonic() - started
+    print(f"done in {wall_s:.0f} s")
+    write_report(args.json, vars(args), {"wall_s": wall_s, "targets": [report_figures(r) for r in reports]})
     return 0 if all(ok for report in reports for _, ok in report.targets()) else 1
+
+
+def report_figures(report: ChaosReport) -> dict[str, object]:
+    """One target's outcome as plain values: the classification matrix and each check with its verdict."""
+    return {
+        "target": report.target,
+        "rollouts": len(report.records),
+        "wall_s": report.wall_s,
+        "valid_fraction": report.valid_fraction,
+        "matrix": {cause: dict(counts) for cause, counts in report.matrix.items()},
+        "checks": [{"check": text, "passed": ok} for text, ok in report.targets()],
+    }
 
 
 if __name__ == "__main__":

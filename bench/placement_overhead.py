@@ -27,15 +27,17 @@ import statistics
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from nemo_gym_browser.environment import EnvironmentClient
 from nemo_gym_browser.placement import SessionTicket, make_placement
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing.benchmarking import fake_environment_process, header
+from nemo_gym_browser.testing.benchmarking import fake_environment_process, header, write_report
 from nemo_gym_browser.testing.private_ray import private_ray
 
 START = "site/index.html"
 MODES = ("process", "ray")
+DEFAULT_JSON = Path(__file__).resolve().parent / "placement_overhead.json"
 
 
 async def lease_seconds(mode: str, url: str, count: int) -> float:
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=200, help="sessions per sequential measurement (200)")
     parser.add_argument("--concurrency", type=int, default=64, help="sessions at once in the concurrent wave (64)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, each mode once per round (5)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     if min(args.sessions, args.concurrency, args.rounds) < 1:
         parser.print_usage(sys.stderr)
@@ -114,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     with private_ray(), fake_environment_process(latency_s=0.0) as url:
         figures = asyncio.run(measure(url, args))
 
+    medians: dict[str, dict[str, float]] = {}
     print(f"{'ms per session':<28} {'process':>9} {'ray':>9} {'added':>9}")
     for key, label in (("lease", "lease (acquire + release)"), ("seq", "sequential session"), ("conc", "concurrent")):
         process, ray_ms = (statistics.median(figures[mode][key]) * 1000 for mode in MODES)
         shown = label if key != "conc" else f"{label} ({args.concurrency} at once)"
         print(f"{shown:<28} {process:>9.3f} {ray_ms:>9.3f} {ray_ms - process:>+9.3f}")
+        medians[key] = {"process_ms": process, "ray_ms": ray_ms, "added_ms": ray_ms - process}
+    write_report(args.json, vars(args), {"median_ms_per_session": medians})
     return 0
 
 

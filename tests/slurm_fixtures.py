@@ -26,6 +26,7 @@ Registered as a pytest plugin from ``tests/conftest.py``; the helpers are import
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -584,3 +585,62 @@ def assert_nothing_left(job: FinishedJob, ports: list[int]) -> None:
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"
+
+
+# --- the jobs' inputs, shared by the one-host and two-host tests -----------------------------------------------
+
+
+def write_recipe_inputs(folder: Path) -> Path:
+    """The test model and six rows (two held back for validation) in ``folder``; every task carries
+    ``verifier_metadata``, so a job with ``JUDGE_ENABLE=0`` can score them (or its checks stop it)."""
+    from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
+    from nemo_gym_browser.testing.tokenizer import save_test_model
+
+    save_test_model(folder / "model")
+    tasks = folder / "tasks.jsonl"
+    questions = ["What is the heading of the page?", "Report the page title.", "Summarise the page."]
+    task = {"web_name": "Example", "web": "https://example.org/", "verifier_metadata": {"url_contains": "example.org"}}
+    tasks.write_text(
+        "".join(json.dumps({**task, "id": f"Example--{i}", "ques": q}) + "\n" for i, q in enumerate(questions * 2))
+    )
+    assert prepare_data(["--input", str(tasks), "--output-dir", str(folder / "data"), "--val-fraction", "0.34"]) == 0
+    return folder
+
+
+def cpu_training_settings(tmp_path: Path, policy: Path, rows: tuple[Path, Path], steps: int) -> dict[str, object]:
+    """config.env settings for a CPU training job of ``steps`` steps: per node one actor rank (a logical GPU), one
+    agent-loop worker and one environment server, the tiny policy, the shop's rows (all with verifier_metadata)."""
+    return {
+        "MODEL_PATH": policy,
+        "TRAIN_FILES": rows[0],
+        "VAL_FILES": rows[1],
+        "LOG_DIR": tmp_path / "logs",
+        "CHECKPOINT_DIR": tmp_path / "checkpoints",
+        "GPUS_PER_NODE": 1,
+        "AGENT_WORKERS_PER_NODE": 1,
+        "ROLLOUT_N": 2,
+        "TRAIN_BATCH_SIZE": 2,
+        "PPO_MINI_BATCH_SIZE": 2,
+        "MAX_PROMPT_LENGTH": 1536,
+        "MAX_RESPONSE_LENGTH": 2048,
+        "MAX_TOKEN_LEN_PER_GPU": 3584,
+        "MAX_ASSISTANT_TURNS": 6,
+        "ROLLOUT_TP": 1,
+        "TOTAL_EPOCHS": 1,
+        "ENV_SERVERS_PER_NODE": 1,
+        # `ray start` gets the logical resources the CPU backend's ray_init overrides give a private Ray
+        "RAY_NUM_GPUS": 1,
+        "RAY_NUM_CPUS": 16,
+        "JUDGE_ENABLE": 0,
+        "LOGGER": "console,file",
+        "SAVE_FREQ": steps,
+        "TEST_FREQ": 100,
+    }
+
+
+def write_config_env(path: Path, settings: dict[str, object], exports: dict[str, str] | None = None) -> Path:
+    """``path`` as a config.env: ``KEY=value`` per setting, then ``export KEY=value`` per export."""
+    lines = [f"{key}={value}" for key, value in settings.items()]
+    lines += [f"export {key}={value}" for key, value in (exports or {}).items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -7,7 +7,6 @@ started outlives it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -26,10 +25,9 @@ from slurm_fixtures import (
     leftover_processes,
     sbatch_wait,
     wait_for,
+    write_config_env,
+    write_recipe_inputs,
 )
-
-from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
-from nemo_gym_browser.testing.tokenizer import save_test_model
 
 pytestmark = pytest.mark.integration
 
@@ -39,23 +37,13 @@ SCRIPT = REPO / "submit_webvoyager.sh"
 
 @pytest.fixture
 def recipe_inputs(tmp_path: Path) -> Path:
-    save_test_model(tmp_path / "model")
-    tasks = tmp_path / "tasks.jsonl"
-    questions = ["What is the heading of the page?", "Report the page title.", "Summarise the page."]
-    # JUDGE_ENABLE=0 below: every task carries verifier_metadata, or the checks stop the run (nothing could score it).
-    task = {"web_name": "Example", "web": "https://example.org/", "verifier_metadata": {"url_contains": "example.org"}}
-    tasks.write_text(
-        "".join(json.dumps({**task, "id": f"Example--{i}", "ques": q}) + "\n" for i, q in enumerate(questions * 2))
-    )
-    assert prepare_data(["--input", str(tasks), "--output-dir", str(tmp_path / "data"), "--val-fraction", "0.34"]) == 0
-    return tmp_path
+    return write_recipe_inputs(tmp_path)
 
 
 def write_test_config(recipe_inputs: Path, tmp_path: Path) -> tuple[int, int, Path]:
     """A config.env for one small dry run: one environment server, test model and data, free loopback ports."""
     env_port = free_ports(1, start=PORT_SEARCH_START + 2000)[0]
     ray_port = free_ports(1, start=PORT_SEARCH_START + 3000)[0]
-    config_env = tmp_path / "config.env"
     settings = {
         "MODEL_PATH": recipe_inputs / "model",
         "DATA_DIR": recipe_inputs / "data",
@@ -67,8 +55,7 @@ def write_test_config(recipe_inputs: Path, tmp_path: Path) -> tuple[int, int, Pa
         "RAY_PORT": ray_port,
         "JUDGE_ENABLE": 0,
     }
-    config_env.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
-    return env_port, ray_port, config_env
+    return env_port, ray_port, write_config_env(tmp_path / "config.env", settings)
 
 
 def test_sbatch_dry_run_brings_everything_up_on_loopback_checks_it_and_leaves_nothing_running(

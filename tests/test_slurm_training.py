@@ -14,7 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_fixtures import PORT_SEARCH_START, LocalSlurm, assert_in_order, assert_nothing_left, free_ports, sbatch_wait
+from slurm_fixtures import (
+    PORT_SEARCH_START,
+    LocalSlurm,
+    assert_in_order,
+    assert_nothing_left,
+    cpu_training_settings,
+    free_ports,
+    sbatch_wait,
+    write_config_env,
+)
 
 from nemo_gym_browser.local import cpu_backend
 from nemo_gym_browser.local.training_run import read_step_metrics
@@ -29,44 +38,17 @@ JOB_TIMEOUT_S = 1800
 
 
 def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path]) -> tuple[Path, int, int]:
-    """A config.env for a two-step CPU training job: one server, the tiny policy, the shop rows, loopback ports."""
+    """A config.env for a two-step CPU training job on one node, on free loopback ports."""
     env_port = free_ports(1, start=PORT_SEARCH_START + 4000)[0]
     ray_port = free_ports(1, start=PORT_SEARCH_START + 5000)[0]
     settings = {
-        "MODEL_PATH": policy,
-        "TRAIN_FILES": rows[0],
-        "VAL_FILES": rows[1],
-        "LOG_DIR": tmp_path / "logs",
-        "CHECKPOINT_DIR": tmp_path / "checkpoints",
-        "GPUS_PER_NODE": 1,
-        "AGENT_WORKERS_PER_NODE": 1,
-        "ROLLOUT_N": 2,
-        "TRAIN_BATCH_SIZE": 2,
-        "PPO_MINI_BATCH_SIZE": 2,
-        "MAX_PROMPT_LENGTH": 1536,
-        "MAX_RESPONSE_LENGTH": 2048,
-        "MAX_TOKEN_LEN_PER_GPU": 3584,
-        "MAX_ASSISTANT_TURNS": 6,
-        "ROLLOUT_TP": 1,
-        "TOTAL_EPOCHS": 1,
-        "ENV_SERVERS_PER_NODE": 1,
+        **cpu_training_settings(tmp_path, policy, rows, STEPS),
         "ENV_BASE_PORT": env_port,
         "RAY_PORT": ray_port,
-        # `ray start` gets the logical resources the CPU backend's ray_init overrides give a private Ray
-        "RAY_NUM_GPUS": 1,
-        "RAY_NUM_CPUS": 16,
-        "JUDGE_ENABLE": 0,  # every shop task has verifier_metadata
-        "LOGGER": "console,file",
-        "SAVE_FREQ": STEPS,
-        "TEST_FREQ": 100,
         "EXPERIMENT_NAME": "slurm_cpu",
     }
-    lines = [f"{key}={value}" for key, value in settings.items()]
     exports = {**cpu_backend.cpu_env(), "VERL_FILE_LOGGER_PATH": str(tmp_path / "metrics.jsonl")}
-    lines += [f"export {key}={value}" for key, value in exports.items()]
-    config_env = tmp_path / "config.env"
-    config_env.write_text("\n".join(lines) + "\n")
-    return config_env, env_port, ray_port
+    return write_config_env(tmp_path / "config.env", settings, exports), env_port, ray_port
 
 
 def cpu_job_overrides() -> list[str]:

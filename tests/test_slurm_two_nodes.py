@@ -28,6 +28,7 @@ from slurm_fixtures import (
     LocalSlurm,
     assert_hosts_quiet,
     assert_in_order,
+    cpu_training_settings,
     firewall,
     job_state,
     leftover_processes,
@@ -36,12 +37,12 @@ from slurm_fixtures import (
     sbatch_wait,
     wait_for,
     wait_until_gone,
+    write_config_env,
+    write_recipe_inputs,
 )
 
 from nemo_gym_browser.local import cpu_backend
 from nemo_gym_browser.local.training_run import read_step_metrics
-from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
-from nemo_gym_browser.testing.tokenizer import save_test_model
 
 pytestmark = pytest.mark.integration
 
@@ -54,17 +55,7 @@ RAY_PORT = 6379
 
 @pytest.fixture(scope="module")
 def recipe_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test model and a few rows, each with verifier_metadata."""
-    folder = tmp_path_factory.mktemp("inputs")
-    save_test_model(folder / "model")
-    tasks = folder / "tasks.jsonl"
-    questions = ["What is the heading of the page?", "Report the page title.", "Summarise the page."]
-    task = {"web_name": "Example", "web": "https://example.org/", "verifier_metadata": {"url_contains": "example.org"}}
-    tasks.write_text(
-        "".join(json.dumps({**task, "id": f"Example--{i}", "ques": q}) + "\n" for i, q in enumerate(questions * 2))
-    )
-    assert prepare_data(["--input", str(tasks), "--output-dir", str(folder / "data"), "--val-fraction", "0.34"]) == 0
-    return folder
+    return write_recipe_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def dry_run_config(recipe_inputs: Path, tmp_path: Path, **extra: object) -> Path:
@@ -83,9 +74,7 @@ def dry_run_config(recipe_inputs: Path, tmp_path: Path, **extra: object) -> Path
         "JUDGE_PROBE": 1,
         **extra,
     }
-    config_env = tmp_path / "config.env"
-    config_env.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
-    return config_env
+    return write_config_env(tmp_path / "config.env", settings)
 
 
 def strip_colours(text: str) -> str:
@@ -163,37 +152,9 @@ TRAIN_TIMEOUT_S = 1800
 
 
 def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path], **extra: object) -> Path:
-    """A config.env for a CPU training job on both hosts: one actor rank (a logical GPU), one agent-loop worker and
-    ``ENV_SERVERS_PER_NODE`` servers per host, the tiny policy, the shop's rows."""
-    settings: dict[str, object] = {
-        "MODEL_PATH": policy,
-        "TRAIN_FILES": rows[0],
-        "VAL_FILES": rows[1],
-        "LOG_DIR": tmp_path / "logs",
-        "CHECKPOINT_DIR": tmp_path / "checkpoints",
-        "GPUS_PER_NODE": 1,
-        "AGENT_WORKERS_PER_NODE": 1,
-        "ROLLOUT_N": 2,
-        "TRAIN_BATCH_SIZE": 2,
-        "PPO_MINI_BATCH_SIZE": 2,
-        "MAX_PROMPT_LENGTH": 1536,
-        "MAX_RESPONSE_LENGTH": 2048,
-        "MAX_TOKEN_LEN_PER_GPU": 3584,
-        "MAX_ASSISTANT_TURNS": 6,
-        "ROLLOUT_TP": 1,
-        "TOTAL_EPOCHS": 1,
-        "ENV_SERVERS_PER_NODE": 1,
-        # `ray start` on each host gets the logical resources the CPU backend's ray_init overrides give a private Ray
-        "RAY_NUM_GPUS": 1,
-        "RAY_NUM_CPUS": 16,
-        "JUDGE_ENABLE": 0,  # every shop task has verifier_metadata
-        "LOGGER": "console,file",
-        "SAVE_FREQ": STEPS,
-        "TEST_FREQ": 100,
-        "EXPERIMENT_NAME": "two_node_cpu",
-        **extra,
-    }
-    lines = [f"{key}={value}" for key, value in settings.items()]
+    """A config.env for a CPU training job on both hosts (:func:`cpu_training_settings` per host), on the script's
+    own ports, with ``extra`` settings on top."""
+    settings = {**cpu_training_settings(tmp_path, policy, rows, STEPS), "EXPERIMENT_NAME": "two_node_cpu", **extra}
     exports = {
         **cpu_backend.cpu_env(),
         "VERL_FILE_LOGGER_PATH": str(tmp_path / "metrics.jsonl"),
@@ -201,10 +162,7 @@ def training_config(tmp_path: Path, policy: Path, rows: tuple[Path, Path], **ext
         # does on GPU nodes
         "GLOO_SOCKET_IFNAME": HOST_INTERFACE,
     }
-    lines += [f"export {key}={value}" for key, value in exports.items()]
-    config_env = tmp_path / "config.env"
-    config_env.write_text("\n".join(lines) + "\n")
-    return config_env
+    return write_config_env(tmp_path / "config.env", settings, exports)
 
 
 def cpu_job_overrides(tmp_path: Path, steps: int = STEPS, *, validate: bool = True) -> list[str]:

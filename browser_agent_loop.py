@@ -85,6 +85,7 @@ from .episode import BrowserEpisode, EpisodeSpec
 from .episode_metrics import reward_extra_info
 from .judge import BinaryJudge, JudgeEvidence
 from .rollout_cancel import generate_within, track_rollout_requests
+from .sample_fields import OptionalFields, complete_optional_fields
 from .settings import DROP_INVALID_ENV, EnvironmentConfig, drop_invalid_enabled, resolve_settings
 from .stepwise import (
     LEGACY_STEPWISE_MESSAGE,
@@ -219,6 +220,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         if self.settings.stepwise.enabled and not self.max_assistant_turns:
             # a step-wise prompt stays bounded, so the response length never ends an episode: the turn limit must
             raise ValueError(UNBOUNDED_STEPWISE_MESSAGE)
+        self._optional_fields = OptionalFields(self.rollout_config, self.config.actor_rollout_ref.model.get("path"))
         self._judge = BinaryJudge.shared(self.settings.judge) if self.settings.judge is not None else None
         if not track_rollout_requests(self.server_manager):
             _warn_once(
@@ -345,7 +347,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if invalid and not self.settings.train_on_failures:
                 # out of the loss, every step of the episode; the estimator drops the reward
                 output.response_mask = [0] * len(output.response_mask)
-            _ensure_response_token(output, self.tokenizer)
+            complete_optional_fields(output, self._optional_fields, self.tokenizer)
             output.reward_score = 0.0 if invalid else outcome.reward
             output.extra_fields.update(flags)
             if self.settings.stepwise.enabled:  # the episode's flags on every step; metrics count the final step only
@@ -510,6 +512,11 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             response_ids=response_ids[: self.response_length],
             response_mask=mask[: self.response_length],
             response_logprobs=logprobs[: self.response_length] if logprobs else None,
+            routed_experts=(
+                generated.routed_experts[: len(tokens) - len(mask) + self.response_length]
+                if generated.routed_experts is not None
+                else None
+            ),
             num_turns=2,
             metrics=AgentLoopMetrics(
                 generate_sequences=timing.get("generate_sequences", 0.0),
@@ -639,22 +646,6 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             agent_data.prompt_ids, agent_data.response_mask, agent_data.response_logprobs = before
             return AgentState.TERMINATED
         return state
-
-
-def _ensure_response_token(output: AgentLoopOutput, tokenizer: Any) -> None:
-    """Give an output with no response one masked padding token.
-
-    verl places the reward on the last response token (``rm_scores[-1]`` in the V1 path), so an empty response
-    cannot carry one. Only a rollout cut before its first generation completed has no token; the token is masked,
-    so it adds nothing to the loss, and the sample keeps its (valid or invalid) status.
-    """
-    if len(output.response_mask) == 0:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # verl's finalisation takes prompt_ids[-0:] (the whole prompt) as the response when the mask is empty.
-        output.response_ids = [int(pad)]
-        output.response_mask = [0]
-        if output.response_logprobs is not None:
-            output.response_logprobs = [0.0]
 
 
 _warned: set[str] = set()

@@ -142,12 +142,15 @@ def is_episode_row(row: Mapping[str, Any]) -> bool:
     return step is None or steps is None or int(step) == int(steps)
 
 
-def validation_drop_metrics(dropped: Sequence[Mapping[str, Any]], kept: int) -> dict[str, float]:
-    """What validation's averages leave out: the rollouts dropped, as a count and a share of all its rollouts."""
-    total = kept + len(dropped)
+def validation_exclusion_metrics(dropped: Sequence[Mapping[str, Any]], invalid: int, kept: int) -> dict[str, float]:
+    """What validation's averages leave out, as counts and shares of all its rollouts: the rollouts dropped, and the
+    ones kept but flagged invalid (``kept`` counts the rollouts the averages saw)."""
+    total = kept + invalid + len(dropped)
     return {
         "val-aux/env/dropped_count": float(len(dropped)),
         "val-aux/env/dropped_rate": len(dropped) / total if total else 0.0,
+        "val-aux/env/invalid_count": float(invalid),
+        "val-aux/env/left_out_rate": (invalid + len(dropped)) / total if total else 0.0,
     }
 
 

@@ -338,15 +338,43 @@ def make_v1_val_metrics_wrapper(original: Callable[..., Any]) -> Callable[..., A
     @functools.wraps(original)
     def _val_metrics_update(*args: Any, **kwargs: Any) -> Any:
         from . import dropped_rollouts
-        from .episode_metrics import validation_drop_metrics
+        from .episode_metrics import validation_exclusion_metrics
 
-        result = original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
+        invalid = _leave_out_invalid_samples(bound.arguments)
+        result = original(*bound.args, **bound.kwargs)
         groups = {str(uid) for _source, uid in (bound.arguments.get("expected_acc_counts") or {})}
         dropped = dropped_rollouts.take(only=groups) if groups else []
-        ours = dropped or "env/invalid" in (bound.arguments.get("reward_extra_infos_dict") or {})
+        ours = dropped or invalid is not None
         if ours and isinstance(result, dict):  # another recipe's validation keeps verl's dict untouched
-            result.update(validation_drop_metrics(dropped, kept=len(bound.arguments["sample_uids"])))
+            kept = len(bound.arguments["sample_uids"])
+            result.update(validation_exclusion_metrics(dropped, invalid=invalid or 0, kept=kept))
         return result
 
     return _val_metrics_update
+
+
+def _leave_out_invalid_samples(arguments: dict[str, Any]) -> int | None:
+    """Take the samples flagged ``env_invalid`` out of ``_val_metrics_update``'s per-sample lists (in place).
+
+    A validation rollout the environment never served is no measurement of the policy: scored 0 it would pull the
+    held-back success down by the failure rate. Returns how many were left out, or None when no sample carries the
+    flag (another recipe's validation, passed through untouched).
+    """
+    infos = arguments.get("reward_extra_infos_dict") or {}
+    flags = infos.get("env/invalid")
+    size = len(arguments.get("sample_uids") or ())
+    if flags is None or len(flags) != size:
+        return None
+    keep = [index for index, flag in enumerate(flags) if not flag]
+    if len(keep) == size:
+        return 0
+
+    def kept(values: Any) -> Any:
+        return [values[index] for index in keep] if values is not None and len(values) == size else values
+
+    arguments["reward_extra_infos_dict"] = {key: kept(values) for key, values in infos.items()}
+    for name in ("data_sources", "sample_uids", "sample_turns"):
+        if name in arguments:
+            arguments[name] = kept(arguments[name])
+    return size - len(keep)

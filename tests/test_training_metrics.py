@@ -224,16 +224,19 @@ def v1_trainer(config, rollout: InProcessRollout, rows: list[dict]):
     return trainer
 
 
-async def v1_step_metrics(config, rollout: InProcessRollout, tq, *, batch_multiple: int) -> tuple[dict, object, object]:
+async def v1_step_metrics(
+    config, rollout: InProcessRollout, tq, *, batch_multiple: int, rows: list[dict] | None = None
+) -> tuple[dict, object, object]:
     """One step of ``PPOTrainer.fit`` minus its GPU stages: the metrics dict fit would log, the batch, the trainer."""
-    trainer = v1_trainer(config, rollout, group_rows())
+    rows = group_rows() if rows is None else rows
+    trainer = v1_trainer(config, rollout, rows)
     trainer.prepare_step()  # dataloader -> uids -> prompts registered in TransferQueue -> dispatched
     await asyncio.wait_for(rollout.settled(), ROLLOUT_TIMEOUT_S)
     statuses = [tag.get("status") for tag in tq.kv_list("train")["train"].values() if tag.get("is_prompt")]
     assert statuses == ["finished"] * len(statuses) and statuses, statuses  # else sample() would wait or refill
 
     iteration: dict = {}
-    batch, sample_metrics = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=3)
+    batch, sample_metrics = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=len(rows))
     iteration.update(sample_metrics)
     batch = upsample_batch_to_divisible_size(batch, batch_multiple, rollout.worker.tokenizer.eos_token_id)
     batch = trainer._compute_old_log_prob(batch, metrics=iteration)  # bypass mode: no actor needed
@@ -465,3 +468,147 @@ def test_deadline_hits_and_the_judge_share_are_rates_over_the_flagged_samples():
     assert metrics["env/samples"] == 4.0 and metrics["env/deadline_hit_rate"] == 0.5
     assert metrics["env/reward_source/judge"] == 0.75 and metrics["env/reward_source/verify"] == 0.25
     assert metrics["env/episode_wall_s/mean"] == 3.0 and metrics["env/episode_wall_s/max"] == 6.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollouts that never reached the model (every attempt failed to seed), placed first in the chunk: verl decides from
+# the first sample which optional tensors a chunk carries, so each such sample must carry the generated ones' fields.
+
+LOG_PROBS = "actor_rollout_ref.rollout.calculate_log_probs=true"
+
+
+def unseedable(server, *task_ids: str) -> None:
+    """Every seed of these tasks fails (the start page never loads): their rollouts never call the model."""
+    server.set_rule(
+        lambda seen: Fault.fail_seed() if seen.endpoint == "seed_session" and seen.task_id in task_ids else None
+    )
+
+
+def rows_named(*task_ids: str) -> list[dict]:
+    return [
+        make_row(task=f"clean: reach the About page ({task_id})", task_id=task_id, verifier_metadata=ABOUT, index=i)
+        for i, task_id in enumerate(task_ids)
+    ]
+
+
+def debug_metrics_of(tq, batch) -> dict:
+    """What ``_compute_old_log_prob`` reads and hands to ``calculate_debug_metrics`` when log-probs are on."""
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    fields = ["responses", "rollout_log_probs", "old_log_probs", "response_mask"]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    return calculate_debug_metrics(DataProto(batch=data.to_padded_tensor()))
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "stepwise"])
+@pytest.mark.parametrize("drop", [False, True])
+async def test_a_v1_step_survives_a_first_rollout_that_never_reached_the_model(server, model_dir, tq, mode, drop):
+    settings = [LOG_PROBS, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3"]
+    if mode == "stepwise":
+        settings += [
+            "+nemo_gym_browser.stepwise.enabled=true",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
+        ]
+    if drop:
+        settings.append("+nemo_gym_browser.drop_invalid=true")
+    config = trainer_config(server, model_dir, *settings)
+    unseedable(server, "never-seeded")
+    policy = sp.ScriptedPolicy(build_test_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
+    rollout = InProcessRollout(tq_worker(config, policy))
+
+    metrics, batch, _ = await v1_step_metrics(
+        config, rollout, tq, batch_multiple=1, rows=rows_named("never-seeded", "ok-1", "ok-2")
+    )
+
+    assert metrics["env/invalid/seed_failed"] == 1.0 and metrics["env/invalid_count"] == 1.0
+    assert metrics["env/dropped_count" if drop else "env/invalid_rate"] == (1.0 if drop else pytest.approx(1 / 3))
+    debug = debug_metrics_of(tq, batch)  # the step that died with KeyError: 'rollout_log_probs'
+    assert debug["training/rollout_probs_diff_valid"] == 1
+    extra = [
+        getattr(e, "data", e)
+        for e in tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])[
+            "extra_fields"
+        ]
+    ]
+    assert sum(bool(e["env_invalid"]) for e in extra) == (0 if drop else 1)
+    assert server.open_sessions == 0
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+async def test_a_v1_step_in_which_every_rollout_failed_gives_zero_advantages_and_finite_metrics(server, model_dir, tq):
+    config = trainer_config(server, model_dir, LOG_PROBS, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3")
+    unseedable(server, "a", "b", "c")
+    policy = sp.ScriptedPolicy(build_test_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
+    rollout = InProcessRollout(tq_worker(config, policy))
+
+    metrics, batch, _ = await v1_step_metrics(config, rollout, tq, batch_multiple=1, rows=rows_named("a", "b", "c"))
+
+    assert policy.calls == 0 and metrics["env/invalid_rate"] == 1.0
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["advantages"])
+    advantages = data.to_padded_tensor()["advantages"]
+    assert torch.isfinite(advantages).all() and not advantages.any()
+    not_finite = {key for key, value in metrics.items() if isinstance(value, float) and not np.isfinite(value)}
+    # verl's own means over an empty response mask are NaN (its update skips a step whose gradient is not finite)
+    assert not_finite <= {
+        f"critic/{name}/{stat}" for name in ("advantages", "returns") for stat in ("mean", "max", "min")
+    }
+    assert all(np.isfinite(value) for key, value in metrics.items() if key.startswith(("env/", "grpo_env_aware/")))
+    debug_metrics_of(tq, batch)
+    assert server.open_sessions == 0
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+@pytest.mark.parametrize("failed", [("never-seeded",), ("never-seeded", "ok-1", "ok-2")])
+async def test_legacy_post_processing_keeps_the_log_probs_when_the_first_rollouts_never_reached_the_model(
+    server, model_dir, failed
+):
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    config = trainer_config(server, model_dir, LOG_PROBS, "trainer.use_v1=false", "actor_rollout_ref.rollout.n=3")
+    unseedable(server, *failed)
+    policy = sp.ScriptedPolicy(build_test_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
+    worker = AgentLoopWorker(config, policy)
+    rows = rows_named("never-seeded", "ok-1", "ok-2")
+    prompts = DataProto(
+        batch=TensorDict({"dummy_tensor": torch.zeros(len(rows), 1, dtype=torch.uint8)}, batch_size=len(rows)),
+        non_tensor_batch={
+            **{key: object_column([row[key] for row in rows]) for key in rows[0]},
+            "uid": object_column(["group-1"] * len(rows)),  # one group: with every member failed, nothing to learn
+        },
+        meta_info={"global_steps": 1, "validate": False},
+    )
+    batch = await asyncio.wait_for(worker.generate_sequences(prompts), ROLLOUT_TIMEOUT_S)
+
+    assert batch.batch["rollout_log_probs"].shape == batch.batch["responses"].shape
+    assert batch.non_tensor_batch["env_invalid"].tolist() == [True, len(failed) > 1, len(failed) > 1]
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+    served = len(failed) < 3
+    assert calculate_debug_metrics(batch)["training/rollout_probs_diff_valid"] == int(served)  # 0: no token to compare
+    reward_tensor, _ = extract_reward(batch)
+    batch.batch["token_level_rewards"] = reward_tensor
+    batch = ray_trainer.compute_advantage(
+        batch, adv_estimator="grpo_env_aware", num_repeat=3, norm_adv_by_std_in_grpo=True, config=config.algorithm
+    )
+    advantages = batch.batch["advantages"]
+    assert torch.isfinite(advantages).all() and not advantages[0].any()
+    if not served:  # a group where every member failed: no baseline, no signal
+        assert not advantages.any()
+    assert server.open_sessions == 0
+
+
+def test_validation_leaves_out_rollouts_the_environment_never_served_and_reports_them():
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    trainer = object.__new__(PPOTrainerSync)
+    infos = {"reward": [1.0, 0.0, 0.0, 0.0], "env/invalid": [0.0, 1.0, 0.0, 1.0]}
+    uids = ["g1", "g1", "g2", "g2"]
+
+    metrics = trainer._val_metrics_update(["site"] * 4, uids, infos, [3, 1, 3, 1], expected_acc_counts={})
+    every_attempt_failed = trainer._val_metrics_update(
+        ["site"] * 2, ["g", "g"], {"reward": [0.0, 0.0], "env/invalid": [1.0, 1.0]}, [1, 1], expected_acc_counts={}
+    )
+
+    assert metrics["val-core/site/reward/mean@1"] == 0.5  # the two served rollouts, not 1 / 4
+    assert metrics["val-aux/env/invalid_count"] == 2.0 and metrics["val-aux/env/left_out_rate"] == 0.5
+    assert not any(key.startswith("val-core/") for key in every_attempt_failed)  # reported, not scored as 0
+    assert every_attempt_failed["val-aux/env/invalid_count"] == 2.0

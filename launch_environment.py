@@ -306,6 +306,11 @@ class LocalEnvironment:
         return None if self.workdir is None else self.workdir / "chromium.log"
 
     @property
+    def pids(self) -> set[int]:
+        """The server's and (remote_cdp) Chromium's process ids: the roots of the environment's process tree."""
+        return {process.pid for process in (self._server, self._chromium) if process is not None}
+
+    @property
     def running(self) -> bool:
         return self._server is not None and self._server.poll() is None
 

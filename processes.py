@@ -31,6 +31,31 @@ class Proc:
     start_ticks: int  # /proc/<pid>/stat field 22: tells a live process from a reused PID
 
 
+def pss_bytes(pid: int) -> int:
+    """A process's proportional set size (shared pages split among their users); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def machine_used_bytes() -> int:
+    """MemTotal - MemAvailable: what every process on the machine holds, page cache it could drop left out."""
+    fields = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                name, _, value = line.partition(":")
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return fields.get("MemTotal", 0) - fields.get("MemAvailable", 0)
+
+
 def read_proc(pid: int) -> Proc | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -1,7 +1,8 @@
 """verl's ``main_ppo`` for a :class:`~.run_spec.RunSpec` as a child process, and the metrics it leaves behind.
 
 :func:`run_main_ppo` starts ``python -m verl.trainer.main_ppo`` in its own process group, copies its output to
-``main_ppo.log`` (and to a caller's ``on_line``), samples the memory of its process tree, and reads back the per-step
+``main_ppo.log`` (and to a caller's ``on_line``), samples the memory of the caller's whole process tree (the
+environment server and Chromium it started included) and of the machine, and reads back the per-step
 metrics of verl's own ``file`` logger (``metrics.jsonl``) and the recipe's ``advantages.jsonl``. On timeout,
 interruption or SIGTERM the whole group is stopped (it is ours: Ray's processes included): SIGTERM, then SIGKILL after
 :data:`STOP_GRACE_S`.
@@ -35,10 +36,13 @@ STOP_GRACE_S = 20.0
 class RunResult:
     returncode: int
     elapsed_s: float
-    peak_memory_bytes: int  # the most the run's process tree held at once (PSS: shared pages counted once)
+    # the most the caller's process tree held at once: this process, main_ppo and Ray's workers, and whatever else the
+    # caller started (environment server, Chromium); PSS, shared pages counted once
+    peak_memory_bytes: int
     steps: dict[int, dict[str, Any]]  # training step -> the metrics verl logged for it
     advantages: dict[int, list[dict[str, Any]]]  # training step -> every sample's flag, score and advantage
     log_path: Path
+    machine_peak_used_bytes: int = 0  # MemTotal - MemAvailable at its highest while the run ran: everything on it
 
     @property
     def ok(self) -> bool:
@@ -110,7 +114,7 @@ def run_main_ppo(
         assert process.stdout is not None
         reader = threading.Thread(target=_copy_lines, args=(process.stdout, log, on_line), daemon=True)
         reader.start()
-        memory = _MemorySampler(process.pid)
+        memory = _MemorySampler(os.getpid())
         # A SIGTERM to this process must stop the run's process group too (Ray's processes are in it), not orphan it.
         on_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main_thread else None
@@ -135,6 +139,7 @@ def run_main_ppo(
         read_step_metrics(spec.metrics_path),
         read_advantages(spec.advantages_path),
         spec.log_path,
+        memory.machine_peak_bytes,
     )
 
 
@@ -143,38 +148,29 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 class _MemorySampler:
-    """Samples the proportional set size of a process and all its descendants (Ray's workers) every second."""
+    """Samples the proportional set size of a process and all its descendants every second, and the machine's use."""
 
     _INTERVAL_S = 1.0
 
     def __init__(self, root_pid: int) -> None:
         self.root_pid = root_pid
         self.peak_bytes = 0
+        self.machine_peak_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        from ..processes import all_processes, descendants
+        from ..processes import all_processes, descendants, machine_used_bytes, pss_bytes
 
         while not self._stop.wait(self._INTERVAL_S):
             pids = [self.root_pid, *(p.pid for p in descendants({self.root_pid}, all_processes()))]
-            self.peak_bytes = max(self.peak_bytes, sum(_pss_bytes(pid) for pid in pids))
+            self.peak_bytes = max(self.peak_bytes, sum(pss_bytes(pid) for pid in pids))
+            self.machine_peak_bytes = max(self.machine_peak_bytes, machine_used_bytes())
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def _pss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
-            for line in rollup:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 def _copy_lines(stream: Any, log: Any, on_line: Callable[[str], None] | None) -> None:

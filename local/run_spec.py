@@ -37,6 +37,17 @@ CPU_ROLLOUT = "hfcpu"  # cpu_backend.ROLLOUT_NAME, not imported here so that bui
 RECIPE_ESTIMATOR = ESTIMATOR_NAME
 
 
+# Browsers open at once per core on a machine that also trains: bench/session_capacity.py on 2 cores served 4 at once
+# at the best wall time per episode (seed 1.4 s median) and 16 at 14.8 s median, 32 at 34 s (a seed timed out at
+# 120 s once main_ppo's generation shared the cores with 48); memory ~0.15 GiB per open browser.
+SESSIONS_PER_CORE = 2
+
+
+def local_session_cap() -> int:
+    """How many browsers a local run keeps open at once: :data:`SESSIONS_PER_CORE` per core this process may use."""
+    return SESSIONS_PER_CORE * max(1, len(os.sched_getaffinity(0)))
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One short ``main_ppo`` run. Sizes are small on purpose: a CPU step should take seconds, not minutes."""
@@ -71,12 +82,16 @@ class RunSpec:
     faults: FaultSpec = FaultSpec()  # noqa: RUF009 (frozen, so one shared default is safe)
     # environment.call_timeout_s; None keeps configs/agent_loop.yaml's. A "hang" fault at a browser call costs this.
     call_timeout_s: float | None = None
+    # environment.max_sessions_per_server: sessions wait for a free browser instead of crowding the machine
+    max_sessions_per_server: int = field(default_factory=local_session_cap)
 
     def __post_init__(self) -> None:
         if self.call_timeout_s is not None and self.call_timeout_s <= 0:
             raise ValueError(f"call_timeout_s must be positive, not {self.call_timeout_s}")
         if self.estimator not in (RECIPE_ESTIMATOR, STOCK_ESTIMATOR):
             raise ValueError(f"estimator must be {RECIPE_ESTIMATOR!r} or {STOCK_ESTIMATOR!r}, not {self.estimator!r}")
+        if self.max_sessions_per_server < 1:
+            raise ValueError(f"max_sessions_per_server must be at least 1, not {self.max_sessions_per_server}")
         if not self.server_urls:
             raise ValueError("at least one environment server URL is needed")
         if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1:
@@ -140,6 +155,7 @@ def hydra_overrides(spec: RunSpec) -> list[str]:
         "+ray_kwargs.ray_init.address=local",  # a private Ray instance, never a cluster already running here
         f"nemo_gym_browser.environment.server_urls=[{urls}]",
         f"nemo_gym_browser.episode_deadline_s={spec.episode_deadline_s}",
+        f"nemo_gym_browser.environment.max_sessions_per_server={spec.max_sessions_per_server}",
         f"nemo_gym_browser.max_attempts={1 if spec.stock else spec.max_attempts}",
         "trainer.logger=[console,file]",
         f"trainer.total_training_steps={spec.steps}",

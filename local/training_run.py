@@ -20,7 +20,7 @@ from typing import Any
 from ..task_rows import DATA_SOURCE
 from .injected_faults import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
 from .main_ppo_process import read_step_metrics, run_main_ppo
-from .run_spec import CPU_ROLLOUT, RECIPE_ESTIMATOR, STOCK_ESTIMATOR, RunSpec
+from .run_spec import CPU_ROLLOUT, RECIPE_ESTIMATOR, SESSIONS_PER_CORE, STOCK_ESTIMATOR, RunSpec, local_session_cap
 
 # The compact per-step line the CLI prints: (metric key, column title, format).
 SUMMARY_COLUMNS = (
@@ -201,6 +201,14 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
         help="seconds a browser call may take before it is an infrastructure timeout (default: configs/"
         "agent_loop.yaml's 120); each hang fault at a browser call costs this long",
     )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=local_session_cap(),
+        metavar="N",
+        help=f"browsers open at once; more episodes wait for one (default %(default)s: {SESSIONS_PER_CORE} per core, "
+        "what bench/session_capacity.py found this kind of machine serves beside training)",
+    )
     parser.add_argument("--lr", type=float, default=RunSpec.lr, help="default %(default)s")
     parser.add_argument(
         "--test-freq", type=int, default=-1, help="validate on the held-back tasks every N steps (default: never)"
@@ -225,6 +233,16 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; Ctrl-C stops the run (main_ppo's process group, the proxy, the environment) and says so."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        # the with-blocks and run_main_ppo stopped everything they started on the way out
+        print("\ninterrupted: main_ppo, the fault proxy, the environment server and Chromium are stopped", flush=True)
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
     from ..launch_environment import LocalEnvironment
     from . import shop_tasks
 
@@ -238,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--fault-rate/--fault-at/--fault-kind: {exc}")
     if args.call_timeout is not None and args.call_timeout <= 0:
         parser.error("--call-timeout must be positive")
+    if args.max_sessions < 1:
+        parser.error("--max-sessions must be at least 1")
     if args.val_tasks is not None and args.val_tasks < 1:
         parser.error("--val-tasks must be at least 1")
     if args.rollout != CPU_ROLLOUT and args.model is None:
@@ -278,14 +298,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra_overrides=tuple(args.override),
                 faults=faults_spec,
                 call_timeout_s=args.call_timeout,
+                max_sessions_per_server=args.max_sessions,
             )
             print(f"main_ppo: {spec.log_path}\n{summary_header()}", flush=True)
             result = run_main_ppo(spec, timeout_s=args.timeout, on_line=_step_printer(spec))
             left_open = faults.open_session_ids
             injected = faults.counts()
     print(
-        f"main_ppo exited {result.returncode} after {result.elapsed_s:.0f} s, peak memory "
-        f"{result.peak_memory_bytes / 2**30:.1f} GiB (PSS of its process tree); sessions left open: {len(left_open)}; "
+        f"main_ppo exited {result.returncode} after {result.elapsed_s:.0f} s; peak memory "
+        f"{result.peak_memory_bytes / 2**30:.1f} GiB for the whole run (main_ppo, environment server, Chromium; PSS), "
+        f"{result.machine_peak_used_bytes / 2**30:.1f} GiB in use on the machine; "
+        f"sessions left open: {len(left_open)}; "
         f"faults injected at {faults_spec.at}: {injected or 'none'}"
     )
     if not result.ok:

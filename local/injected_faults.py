@@ -20,8 +20,9 @@ from typing import Any
 from ..testing.background_loop import BackgroundLoop
 
 # Where injected faults strike: "verify" spoils a share of sessions after the policy acted (random_faults);
-# "browser-call" fails each browser action call on its own (browser_call_faults).
-FAULT_POINTS = ("verify", "browser-call")
+# "browser-call" fails each browser action call on its own (browser_call_faults); "seed" leaves a share of tasks
+# unseedable, every attempt of every rollout of theirs (unseedable_tasks): rollouts that never reach the model.
+FAULT_POINTS = ("verify", "browser-call", "seed")
 # What a faulted call meets (Fault kinds), each an infrastructure failure the loop resamples. At a browser call /
 # at verify the loop records: "status" (a 503) server_error / verify_unavailable; "lose_session" (the session cookie
 # stripped: the server no longer knows the session) session_lost / session_lost; "hang" (held until the client gives
@@ -50,11 +51,15 @@ class FaultSpec:
             raise ValueError(f"faults strike at one of {FAULT_POINTS}, not {self.at!r}")
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"the fault kind must be one of {FAULT_KINDS}, not {self.kind!r}")
+        if self.at == "seed" and self.kind == "lose_session":
+            raise ValueError("a seed has no session to lose: use status or hang at seed")
 
     def rule(self, seed: int, spare_tasks: frozenset[str] = frozenset()) -> Callable[[Any], Any]:
         """The proxy rule: :func:`random_faults` at verify or :func:`browser_call_faults`, sparing ``spare_tasks``."""
         if self.at == "browser-call":
             return browser_call_faults(self.rate, seed, kind=self.kind, spare_tasks=spare_tasks)
+        if self.at == "seed":
+            return unseedable_tasks(self.rate, seed, kind=self.kind, spare_tasks=spare_tasks)
         return random_faults(self.rate, seed, spare_tasks=spare_tasks, kind=self.kind)
 
 
@@ -131,6 +136,7 @@ def proxy_fault(name: str) -> Any:
         "lose_session": Fault.lose_session,
         "hang": Fault.hang,  # held until the client gives up (its call timeout), then never forwarded
         "regrade": lambda: Fault.regrade(1.0),
+        "fail_seed": Fault.fail_seed,  # the server's own 500 when a start page never loads
     }
     if name not in make:
         raise ValueError(f"unknown fault {name!r}; expected one of {sorted(make)}")
@@ -242,5 +248,27 @@ def browser_call_faults(
             index = calls.get(request.session_id, 0)
             calls[request.session_id] = index + 1
         return proxy_fault(kind) if _unit_draw(seed, request.session_id, index) < rate else None
+
+    return rule
+
+
+def unseedable_tasks(
+    rate: float, seed: int, kind: str = "status", spare_tasks: frozenset[str] = frozenset()
+) -> Callable[[Any], Any]:
+    """A proxy rule under which a share ``rate`` of the tasks can never be seeded, on any attempt of any rollout.
+
+    The draw is a hash of ``seed`` and the task id, so a drawn task's whole group fails every attempt (its rollouts
+    never reach the model: each is a placeholder sample, or dropped), wherever it lands in a batch. ``status``
+    answers the seed as the server does when the start page never loads (a 500: ``seed_failed``); ``hang`` holds it
+    until the client's ``seed_timeout_s``. Sessions of ``spare_tasks`` are never faulted.
+    """
+    _check_rate(rate)
+    fault = "fail_seed" if kind == "status" else kind
+    proxy_fault(fault)
+
+    def rule(request: Any) -> Any:
+        if request.endpoint != "seed_session" or not request.task_id or request.task_id in spare_tasks:
+            return None
+        return proxy_fault(fault) if _unit_draw(seed, "seed", request.task_id) < rate else None
 
     return rule

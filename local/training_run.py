@@ -137,6 +137,8 @@ those of the held-back tasks), each fault an infrastructure failure the recipe r
                            it browsed (the default; the draw is per session)
   --fault-at browser-call  each observe, navigate, click and type call fails with chance --fault-rate, drawn per
                            call; seed, finish, verify and close never fail
+  --fault-at seed          a share --fault-rate of the tasks can never be seeded (every attempt of every rollout
+                           of theirs: rollouts that never reach the model), drawn per task
   --fault-kind             what the faulted call meets, and what the loop records (at a browser call / at verify):
       status               the proxy answers 503 (the default): server_error / verify_unavailable
       lose_session         the proxy strips the session cookie, so the server no longer knows the session:
@@ -144,7 +146,9 @@ those of the held-back tasks), each fault an infrastructure failure the recipe r
       hang                 the call is held until the client gives up: timeout after --call-timeout /
                            verify_unavailable after the verify timeout (60 s). No quicker form is recorded as
                            timeout, so a hang costs a whole call timeout: lower --call-timeout with it
-The draws are hashes of --seed and the session id (and the call's place in its session), so they depend neither
+At seed, status is the server's own 500 for a start page that never loads (seed_failed) and hang waits out the seed
+timeout. The draws are hashes of --seed and the session id (and the call's place in its session; the task id at
+seed), so they depend neither
 on timing nor on other sessions; the proxy's counts are printed at the end.
 
 what is written to --workdir: the task rows, the tiny policy (unless --model), and run/ with main_ppo.log,

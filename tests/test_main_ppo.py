@@ -76,19 +76,16 @@ class PlannedRun:
     state: object  # launch_environment.BrowserState
 
 
-def train_under_the_plan(environment, policy: Path, workdir: Path, data, name: str, **changes) -> PlannedRun:
+def train_under_the_plan(environment, policy: Path, workdir: Path, data, name: str, plan=PLAN, **changes) -> PlannedRun:
     train, val, rows = data
-    with inj.InjectedFaults(environment.url, inj.planned_faults(PLAN)) as faults:
+    with inj.InjectedFaults(environment.url, inj.planned_faults(plan)) as faults:
         spec = rs.RunSpec(
             model_path=policy,
             train_file=train,
             val_file=val,
             server_urls=(faults.url,),
             output_dir=workdir / name,
-            steps=2,
-            prompts_per_step=rows,
-            group_size=GROUP_SIZE,
-            **changes,
+            **{"steps": 2, "prompts_per_step": rows, "group_size": GROUP_SIZE, **changes},
         )
         result = mp.run_main_ppo(spec, timeout_s=RUN_TIMEOUT_S)
         left_open, injected = faults.open_session_ids, faults.counts()
@@ -192,6 +189,45 @@ def test_a_checkpoint_is_written_and_training_resumes_from_it(first_run, real_en
     # verl resumed at step 3: steps 1 and 2 were not trained again
     assert sorted(resumed.steps) == [3]
     assert mp.metric(resumed.steps, 3, "env/samples") > 0
+
+
+# ----- rollouts that never reach the model: a whole group unseedable, first in the worker's chunk, every step ----
+
+# Row 0 (first in the batch: no shuffling) cannot be seeded on any attempt of any of its rollouts, in every step: its
+# group is all placeholders, and the first sample of the agent-loop worker's chunk is one of them. verl decides from
+# that first sample which optional tensors the chunk carries (rollout_log_probs: the CPU backend computes them).
+UNSEEDABLE = {0: inj.RowFault("seed_session", attempts=(1, 2, 3), rollouts=GROUP_SIZE * 3, fault="fail_seed")}
+
+
+@pytest.fixture(scope="module")
+def unseedable_run(real_environment, shop_site, tiny_policy: Path, workdir: Path, data: tuple[Path, Path, int]):
+    return train_under_the_plan(
+        real_environment,
+        tiny_policy,
+        workdir,
+        data,
+        "unseedable",
+        plan=UNSEEDABLE,
+        steps=3,
+        extra_overrides=("data.shuffle=false",),
+    )
+
+
+def test_a_run_survives_three_steps_whose_first_group_never_reached_the_model(unseedable_run) -> None:
+    run = unseedable_run
+    _require_ok(run.result)
+    assert sorted(run.result.steps) == [1, 2, 3]
+    for step in (1, 2, 3):
+        metrics = run.result.steps[step]
+        assert "actor/pg_loss" in metrics and "training/rollout_probs_diff_valid" in metrics
+        assert mp.metric(run.result.steps, step, "env/invalid/seed_failed") == GROUP_SIZE
+        assert mp.metric(run.result.steps, step, "env/failed_attempts/seed_failed") == GROUP_SIZE * 3
+        samples = run.result.advantages[step]
+        failed = [s for s in samples if s["env_invalid"]]
+        assert len(failed) == GROUP_SIZE and len({s["uid"] for s in failed}) == 1  # the whole group
+        assert all(s["advantage"] == 0.0 and s["response_tokens"] == 0 for s in failed)
+    assert run.injected == {"status": 3 * GROUP_SIZE * 3}  # the server's 500 for a start page that never loads
+    assert run.left_open == () and run.state.idle
 
 
 # ----- step-wise mode: one sample per policy step, the same plan of faults ----------------------------------------

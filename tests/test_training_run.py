@@ -184,7 +184,7 @@ def test_the_default_fault_spec_is_todays_verify_503_per_session_and_browser_cal
     assert calls(request("browser_click", sessions[0])).kind == "hang"
     assert calls(request("verify", sessions[0])) is None
     assert calls(request("browser_click", sessions[1], "held-back")) is None
-    for bad in ({"rate": -0.1}, {"at": "seed"}, {"kind": "regrade"}):
+    for bad in ({"rate": -0.1}, {"at": "nowhere"}, {"kind": "regrade"}, {"at": "seed", "kind": "lose_session"}):
         with pytest.raises(ValueError):
             inj.FaultSpec(**bad)
 
@@ -216,7 +216,8 @@ def test_the_cli_teaches_every_fault_option_and_refuses_bad_values_as_usage_erro
         assert kind in text
     for recorded in ("server_error", "session_lost", "timeout", "verify_unavailable"):  # what the loop will record
         assert recorded in text
-    for argv in (["--fault-rate", "1.5"], ["--fault-at", "seed"], ["--fault-kind", "drop"], ["--call-timeout", "0"]):
+    bad = (["--fault-rate", "1.5"], ["--fault-at", "nowhere"], ["--fault-kind", "drop"], ["--call-timeout", "0"])
+    for argv in (*bad, ["--fault-at", "seed", "--fault-kind", "lose_session"], ["--max-sessions", "0"]):
         with pytest.raises(SystemExit) as refused:
             tr.main(["--workdir", str(tmp_path), *argv])
         assert refused.value.code == 2
@@ -290,3 +291,32 @@ mp.run_main_ppo(spec, timeout_s=600)
     while Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().split()[2]:
         assert time.monotonic() < deadline, "the run's process outlived its driver"
         time.sleep(0.2)
+
+
+def test_unseedable_tasks_fail_every_seed_of_a_drawn_task_and_nothing_else() -> None:
+    tasks = [f"task-{i}" for i in range(400)]
+    rule = inj.FaultSpec(rate=0.25, at="seed").rule(3, spare_tasks=frozenset({"task-0"}))
+    drawn = {t for t in tasks if rule(request("seed_session", f"r{t}-aa.1.0", t)) is not None}
+    assert 0.19 < len(drawn) / len(tasks) < 0.31 and "task-0" not in drawn
+    for task in list(drawn)[:5]:  # every attempt of every rollout of a drawn task
+        for session in ("r1-bb.2.7", "r1-cc.3.9", "r9-dd.1.1"):
+            fault = rule(request("seed_session", session, task))
+            assert (fault.kind, fault.http_status) == ("status", 500)  # the server's own answer to a dead start page
+        assert (
+            rule(request("verify", "r1-bb.1.0", task)) is None
+            and rule(request("browser_click", "r1-bb.1.0", task)) is None
+        )
+    assert (
+        inj.FaultSpec(rate=1.0, at="seed", kind="hang").rule(3)(request("seed_session", "r1-a.1.0", "t")).kind == "hang"
+    )
+
+
+def test_ctrl_c_ends_the_command_with_one_line_and_no_traceback(monkeypatch, capsys) -> None:
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tr, "_run", interrupted)
+    assert tr.main(["--workdir", "/nonexistent"]) == 130
+    out, err = capsys.readouterr()
+    assert out.strip() == "interrupted: main_ppo, the fault proxy, the environment server and Chromium are stopped"
+    assert "Traceback" not in out + err

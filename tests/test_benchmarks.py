@@ -27,7 +27,9 @@ def load(name: str) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("name", ["baseline_bias", "rollout_overhead", "chaos", "learning_curve", "decode_throughput"])
+@pytest.mark.parametrize(
+    "name", ["baseline_bias", "rollout_overhead", "chaos", "learning_curve", "decode_throughput", "session_capacity"]
+)
 def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
     module = load(name)
 
@@ -48,6 +50,8 @@ def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
         ("learning_curve", ["--rates", "1.0"]),
         ("learning_curve", ["--group-size", "0"]),
         ("decode_throughput", ["--concurrency", "0"]),
+        ("session_capacity", ["--concurrency", "4", "0"]),
+        ("session_capacity", ["--waves", "0"]),
     ],
 )
 def test_each_benchmark_rejects_impossible_settings_with_exit_code_two(name, argv, capsys):

@@ -16,6 +16,7 @@ import time
 import pytest
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
+from nemo_gym_browser import browser_agent_loop
 from nemo_gym_browser.settings import DROP_INVALID_ENV, BrowserLoopSettings
 from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
@@ -300,7 +301,7 @@ async def test_without_the_drop_switch_an_exhausted_v1_rollout_is_kept_flagged_w
 
 async def test_under_the_legacy_trainer_the_drop_switch_keeps_the_sample_flagged_and_says_why(h, monkeypatch, caplog):
     monkeypatch.setenv(DROP_INVALID_ENV, "1")
-    monkeypatch.setattr("nemo_gym_browser.browser_agent_loop._warned", set())
+    monkeypatch.setattr(browser_agent_loop, "_warned", set())
     h.server.inject("browser_click", Fault.status(503))
 
     with caplog.at_level(logging.ERROR, logger="nemo_gym_browser.browser_agent_loop"):

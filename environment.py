@@ -125,6 +125,9 @@ class VerifyResult:
     reward: float
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        checked_reward(self.reward)  # raises MalformedAnswer (a ValueError): no such grade exists
+
 
 # ----- wire bodies (pydantic: everything that crosses HTTP) ---------------------------------------------------
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind
+from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind, VerifyResult
 from nemo_gym_browser.server_answers import BROWSER_GONE_OPENINGS, NO_SESSION_ERROR
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
@@ -242,3 +242,9 @@ async def test_a_reward_in_range_is_returned_as_is(server, client, reward):
     async with open_session(client) as session:
         await session.observe()
         assert (await session.verify()).reward == reward
+
+
+@pytest.mark.parametrize("reward", [math.nan, -0.1, 2.0])
+def test_no_verify_result_can_hold_a_reward_outside_zero_to_one(reward):
+    with pytest.raises(ValueError):
+        VerifyResult(reward=reward)

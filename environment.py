@@ -634,7 +634,8 @@ def _validation_message(payload: Any) -> str:
         parts = []
         for item in payload["detail"]:
             if isinstance(item, dict):
-                loc = ".".join(str(p) for p in item.get("loc", []) if p != "body")
+                path = item.get("loc") if isinstance(item.get("loc"), list) else []
+                loc = ".".join(str(p) for p in path if p != "body")
                 parts.append(f"{loc or 'body'}: {item.get('msg', 'invalid')}")
         if parts:
             return "; ".join(parts)

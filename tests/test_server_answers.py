@@ -196,6 +196,15 @@ async def test_a_malformed_5xx_body_is_still_the_calls_failure(server, capped):
     assert "503" in caught.value.reason
 
 
+@pytest.mark.parametrize("detail", [[{"loc": 5, "msg": "bad"}], [{"loc": None}], "text", [[1]]])
+async def test_a_422_with_an_odd_detail_still_comes_back_to_the_model(server, client, detail):
+    server.inject("browser_click", Fault.status(422, {"detail": detail}))
+    async with open_session(client) as session:
+        await session.observe()
+        result = await session.click(0)
+    assert result.error is not None and result.error.startswith("invalid arguments for browser_click")
+
+
 async def test_an_answer_of_exactly_max_answer_bytes_is_read(server, capped):
     server.inject("browser_observe", Fault.oversized(CAP, chunked=True))
     async with open_session(capped) as session:

@@ -30,8 +30,9 @@ Who caused it decides (``../shared/notes/failure-handling.md``)
       A task without ``verifier_metadata`` when no judge is configured is flagged ``judge_unusable`` at once,
       with no episode (nothing could score it; logged once per process).
     * Policy (a legitimate outcome, scored as it stands): bad tool arguments, unknown actions, element ids not on
-      the page, URLs it chose that fail to load or are refused, no answer, running out of turns or tokens, and
-      the episode deadline. Invalidity is never inferred from a short or empty response.
+      the page, URLs it chose that fail to load or are refused, no answer, running out of turns or tokens, the
+      episode deadline, and an answer or page that leaves the judge without a verdict it gives on the task alone
+      (a failure, see :mod:`~nemo_gym_browser.judge`). Invalidity is never inferred from a short or empty response.
 
 Bounds on a generation
     The episode deadline is checked before each generation and never cuts one (see :mod:`~nemo_gym_browser.episode`

@@ -9,7 +9,9 @@ What this module owns
     * An explicit timeout on every call, and the mapping of every outcome to one of two things:
       an :class:`EnvironmentFailure` (the infrastructure failed; it carries a :class:`FailureKind`) or a
       :class:`ToolResult` whose ``error`` the policy reads (it made a mistake: bad arguments, an element id
-      that is not on the page, a URL of its own choosing that did not load).
+      that is not on the page, a URL of its own choosing that did not load). What an answer's bytes and error
+      text mean (size cap, strict UTF-8 and JSON, the server's own browser-gone messages, the reward's range) is
+      read by :mod:`~nemo_gym_browser.server_answers`, never from text the policy wrote.
     * Spreading sessions over several servers through :mod:`placement`: least outstanding sessions first, a
       per-server cap that holds across every process of a run (under Ray), a server that stopped answering taken
       out of rotation and probed back in after a cool-down; closing the browsers of sessions whose process died.
@@ -40,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-import json
 import logging
 import re
 import time
@@ -55,6 +56,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
 from .rows import validate_verifier_metadata as validate_verifier_metadata
+from .server_answers import (
+    NO_SESSION_ERROR,
+    MalformedAnswer,
+    checked_reward,
+    lost_session_reason,
+    parse_json,
+    read_body,
+)
 from .settings import EnvironmentConfig
 from .text import shorten
 
@@ -64,19 +73,8 @@ TOOL_NAMES = ("browser_observe", "browser_navigate", "browser_click", "browser_t
 # Calls that are safe to repeat after a transport error (see the module docstring for why).
 IDEMPOTENT_TOOLS = frozenset({"browser_observe", "browser_navigate", "browser_finish"})
 
-# Texts the server (or Playwright behind it) uses when the browser itself is gone. A tool answer carrying one
-# of them measures the infrastructure, whatever the policy asked for.
-_NO_SESSION_TEXT = "no active session"
-_BROWSER_GONE_MARKERS = (
-    "has been closed",
-    "browser closed",
-    "connection closed",
-    "target closed",
-    "backend is not open",
-)
-# observe takes no argument, so a failed observe can only be the browser's fault.
-_OBSERVE_FAILED_PREFIX = "observe failed:"
-_VERIFY_SESSION_NOT_FOUND = "session not found"
+# What verify's failure_reason says when the session is gone (anything else there: verify could not grade).
+_VERIFY_SESSION_NOT_FOUND = "browser session not found at verify"
 # A close is tried again on a timeout or a 5xx for up to this many times close_timeout_s in all, pausing at most
 # _CLOSE_BACKOFF_CAP_S between tries.
 _CLOSE_TRIES = 3
@@ -122,10 +120,13 @@ class ToolResult:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """A grade the server could actually compute."""
+    """A grade the server could actually compute: a finite reward in [0, 1]."""
 
     reward: float
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        checked_reward(self.reward)  # raises MalformedAnswer (a ValueError): no such grade exists
 
 
 # ----- wire bodies (pydantic: everything that crosses HTTP) ---------------------------------------------------
@@ -169,7 +170,7 @@ class _ToolAnswer(BaseModel):
 
 class _VerifyAnswer(BaseModel):
     model_config = ConfigDict(extra="allow")
-    reward: float
+    reward: Any  # its type and range are checked by checked_reward, which says what is wrong
     mask_sample: bool = False
     failure_kind: str | None = None
     failure_reason: str | None = None
@@ -190,11 +191,6 @@ def _verify_body(rollout_id: str) -> dict[str, Any]:
             "tools": [],
         },
     }
-
-
-def _browser_gone(error: str) -> bool:
-    lowered = error.lower()
-    return any(marker in lowered for marker in _BROWSER_GONE_MARKERS)
 
 
 def _brief(text: object) -> str:
@@ -402,8 +398,9 @@ class BrowserSession:
         """POST ``body`` and return ``(status, parsed JSON)`` for any answer below 500.
 
         Raises :class:`EnvironmentFailure` for what the infrastructure did: no connection (``unreachable``), and
-        a timeout, a dropped connection, a 5xx or a body that is not JSON, all of kind ``call_kind`` (``timeout``
-        and ``server_error`` for tool calls; ``seed_failed`` and ``verify_unavailable`` name those calls).
+        a timeout, a dropped connection, a 5xx or a body that is not well-formed JSON (larger than
+        ``max_answer_bytes``, not UTF-8, too deep), all of kind ``call_kind`` (``timeout`` and ``server_error`` for
+        tool calls; ``seed_failed`` and ``verify_unavailable`` name those calls).
         """
         url = f"{self._server.url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(timeout_s, self._config.connect_timeout_s))
@@ -412,8 +409,8 @@ class BrowserSession:
         for attempt in range(attempts):
             try:
                 async with self._session().post(url, json=body, timeout=timeout) as response:
-                    text = await response.text()
                     status = response.status
+                    raw = await read_body(response, self._config.max_answer_bytes)
             except asyncio.TimeoutError as exc:
                 kind = FailureKind.TIMEOUT if generic else call_kind
                 raise self._server_down(self._failure(kind, f"{path} did not answer within {timeout_s:g}s")) from exc
@@ -436,14 +433,16 @@ class BrowserSession:
             except aiohttp.ClientError as exc:
                 kind = FailureKind.UNREACHABLE if generic else call_kind
                 raise self._failure(kind, f"{path} failed: {type(exc).__name__}: {_brief(exc)}") from exc
+            except MalformedAnswer as exc:
+                raise self._failure(call_kind, f"{path} answered HTTP {status} with {exc}") from exc
             if status >= 500:
-                raise self._failure(call_kind, f"{path} answered HTTP {status}: {_brief(text)}")
+                detail = _brief(raw.decode("utf-8", "replace"))
+                raise self._failure(call_kind, f"{path} answered HTTP {status}: {detail}")
             try:
-                payload = json.loads(text) if text else None
-            except json.JSONDecodeError as exc:
-                raise self._failure(
-                    call_kind, f"{path} answered HTTP {status} with malformed JSON: {_brief(text)}"
-                ) from exc
+                payload = parse_json(raw)
+            except MalformedAnswer as exc:
+                detail = _brief(raw[:_DETAIL_CHARS].decode("utf-8", "replace"))
+                raise self._failure(call_kind, f"{path} answered HTTP {status} with {exc}: {detail}") from exc
             return status, payload
         raise AssertionError("unreachable")  # the loop always returns or raises
 
@@ -547,7 +546,7 @@ class BrowserSession:
             timeout = aiohttp.ClientTimeout(total=self._config.close_timeout_s)
             async with http.post(f"{self._server.url}/browser_observe", json={}, timeout=timeout) as response:
                 payload = await response.json(content_type=None)
-        return isinstance(payload, dict) and _NO_SESSION_TEXT in str(payload.get("error") or "")
+        return isinstance(payload, dict) and payload.get("error") == NO_SESSION_ERROR
 
     # ----- tools ----------------------------------------------------------------------------------------------
 
@@ -572,11 +571,9 @@ class BrowserSession:
             answer = _ToolAnswer.model_validate(payload)
         except ValidationError as exc:
             raise self._failure(FailureKind.SERVER_ERROR, f"/{tool} answered an unexpected body") from exc
-        if answer.error:
-            if _NO_SESSION_TEXT in answer.error:
-                raise self._failure(FailureKind.SESSION_LOST, f"the server no longer knows this session ({tool})")
-            if answer.error.startswith(_OBSERVE_FAILED_PREFIX) or _browser_gone(answer.error):
-                raise self._failure(FailureKind.SESSION_LOST, f"the browser is gone: {_brief(answer.error)}")
+        lost = lost_session_reason(tool, arguments or {}, answer.error) if answer.error else None
+        if lost is not None:
+            raise self._failure(FailureKind.SESSION_LOST, _brief(lost))
         return ToolResult(observation=answer.observation, done=answer.done, error=answer.error)
 
     async def observe(self) -> ToolResult:
@@ -620,11 +617,15 @@ class BrowserSession:
         if answer.failure_reason:
             kind = (
                 FailureKind.SESSION_LOST
-                if _VERIFY_SESSION_NOT_FOUND in answer.failure_reason
+                if answer.failure_reason.strip() == _VERIFY_SESSION_NOT_FOUND
                 else FailureKind.VERIFY_UNAVAILABLE
             )
             raise self._failure(kind, f"verify could not grade: {_brief(answer.failure_reason)}")
-        return VerifyResult(reward=answer.reward, raw=payload)
+        try:
+            reward = checked_reward(answer.reward)
+        except MalformedAnswer as exc:
+            raise self._failure(FailureKind.VERIFY_UNAVAILABLE, f"verify answered {exc}") from exc
+        return VerifyResult(reward=reward, raw=payload)
 
 
 def _validation_message(payload: Any) -> str:
@@ -633,7 +634,8 @@ def _validation_message(payload: Any) -> str:
         parts = []
         for item in payload["detail"]:
             if isinstance(item, dict):
-                loc = ".".join(str(p) for p in item.get("loc", []) if p != "body")
+                path = item.get("loc") if isinstance(item.get("loc"), list) else []
+                loc = ".".join(str(p) for p in path if p != "body")
                 parts.append(f"{loc or 'body'}: {item.get('msg', 'invalid')}")
         if parts:
             return "; ".join(parts)

@@ -7,6 +7,8 @@ A sample flagged ``env_invalid`` measured the environment, not the policy. Stock
   ``advantage = (score - mean_valid) / (std_valid + epsilon)``, or ``score - mean_valid`` when
   ``norm_adv_by_std_in_grpo`` is false (Dr.GRPO);
 - an **invalid** sample gets advantage 0 on every token;
+- a sample whose score is **not finite** (NaN, ±inf: a reward no grader should give) is invalid too: one NaN
+  would otherwise turn its group's mean, standard deviation and every advantage into NaN;
 - a group with **fewer than two valid samples** gets 0 everywhere: one sample has no baseline, so it carries no
   signal. This includes an ordinary group of one. Stock GRPO instead gives a lone sample mean 0 and std 1, i.e. its
   raw reward as advantage, which rewards a lone survivor for whatever it scored (see the drop switch in
@@ -31,12 +33,15 @@ Importing this module registers the estimator with verl's ``register_adv_est`` (
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
 from .wiring import ESTIMATOR_NAME
+
+logger = logging.getLogger(__name__)
 
 # Same default as verl's compute_grpo_outcome_advantage, so unflagged results match bit for bit.
 DEFAULT_EPSILON = 1e-6
@@ -143,6 +148,11 @@ def compute_grpo_env_aware_advantage(
         if group.numel() != scores.numel():
             raise ValueError(f"index has {group.numel()} entries for {scores.numel()} samples")
         invalid = invalid_mask(env_invalid, scores.numel()).to(scores.device)
+        unmeasured = ~torch.isfinite(scores)
+        if bool(unmeasured.any()):
+            count = int(unmeasured.sum())
+            logger.warning("%s: %d sample(s) with a non-finite score left out of their groups", ESTIMATOR_NAME, count)
+            invalid = invalid | unmeasured
         scalars = grpo_env_aware_scores(
             scores, group, invalid, epsilon=epsilon, norm_adv_by_std=norm_adv_by_std_in_grpo
         )

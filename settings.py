@@ -145,6 +145,13 @@ class EnvironmentConfig(Settings):
         "to 3 times this in all (the server has no TTL: a close given up on leaves its browser open).",
     )
     connect_timeout_s: float = Field(10.0, gt=0, description="Opening a TCP connection to a server.")
+    max_answer_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="Largest answer body read from a server (after decompression); a larger one is an "
+        "infrastructure failure. Answers are a few KB: an observation holds at most max_elements names and 2000 "
+        "characters of page text.",
+    )
     transient_retries: int = Field(
         2, description="Retries of an idempotent call after a transport error that came before any answer."
     )

@@ -13,8 +13,9 @@ Scripting
     default behaviour when the queue is empty. Factories below build the usual ones: :func:`verdict`,
     :func:`with_reasoning`, :func:`hedge`, :func:`both_tokens`, :func:`token_only_in_reasoning`,
     :func:`http_error`, :func:`rate_limited`, :func:`hang`, :func:`disconnect`, :func:`truncated`,
-    :func:`refusal`, :func:`malformed_body`, :func:`no_choices`, :func:`echo_page`, :func:`decide` and
-    :func:`echo_headers_error`. Every request, accepted or not, is appended to ``requests``.
+    :func:`refusal`, :func:`content_filtered`, :func:`prompt_filtered`, :func:`malformed_body`,
+    :func:`no_choices`, :func:`echo_page`, :func:`decide`, :func:`on_policy_text` and :func:`echo_headers_error`.
+    Every request, accepted or not, is appended to ``requests``.
 
 Lifetime
     ``async with FakeJudgeServer() as server`` binds 127.0.0.1 on a free port and stops on exit; a hanging
@@ -160,6 +161,29 @@ def malformed_body() -> Behaviour:
     return Behaviour(raw_body='{"choices": [{"message": ')
 
 
+def content_filtered() -> Behaviour:
+    """A hosted endpoint whose output filter withheld the answer (``finish_reason`` ``content_filter``)."""
+    return Behaviour(content=None, finish_reason="content_filter", shape="hosted")
+
+
+def prompt_filtered() -> Behaviour:
+    """A hosted endpoint whose input filter refused the prompt: HTTP 400 with ``error.code`` ``content_filter``."""
+    message = "The response was filtered due to the prompt triggering the content management policy."
+    error = {"message": message, "type": None, "param": "prompt", "code": "content_filter", "status": 400}
+    return Behaviour(status=400, raw_body=json.dumps({"error": error}))
+
+
+def on_policy_text(behaviour: Behaviour, otherwise: Behaviour | None = None) -> Behaviour:
+    """``behaviour`` for a prompt carrying the policy's text (an answer, steps or a page), ``otherwise`` (a
+    failure verdict by default) for the task alone: a judge that the policy's text, not the task, derails."""
+
+    def respond(request: RecordedRequest) -> Behaviour:
+        carries = any(request.data_block(name) is not None for name in ("final_answer", "steps", "page_text"))
+        return behaviour if carries else (otherwise or verdict(False))
+
+    return Behaviour(respond=respond)
+
+
 def no_choices() -> Behaviour:
     return Behaviour(raw_body=json.dumps({"id": "chatcmpl-empty", "object": "chat.completion", "choices": []}))
 
@@ -299,10 +323,10 @@ class FakeJudgeServer:
 
     def _answer(self, behaviour: Behaviour) -> web.Response:
         headers = {"Retry-After": behaviour.retry_after} if behaviour.retry_after is not None else None
-        if behaviour.status >= 400:
-            return _error(behaviour.status, behaviour.error_message, behaviour.shape, headers)
         if behaviour.raw_body is not None:
             return web.Response(status=behaviour.status, text=behaviour.raw_body, content_type="application/json")
+        if behaviour.status >= 400:
+            return _error(behaviour.status, behaviour.error_message, behaviour.shape, headers)
         return web.json_response(self._completion(behaviour), status=behaviour.status, headers=headers)
 
     def _completion(self, behaviour: Behaviour) -> dict[str, Any]:
@@ -347,6 +371,7 @@ __all__ = [
     "FakeJudgeServer",
     "RecordedRequest",
     "both_tokens",
+    "content_filtered",
     "decide",
     "disconnect",
     "echo_headers_error",
@@ -356,6 +381,8 @@ __all__ = [
     "http_error",
     "malformed_body",
     "no_choices",
+    "on_policy_text",
+    "prompt_filtered",
     "rate_limited",
     "refusal",
     "token_only_in_reasoning",

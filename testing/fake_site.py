@@ -186,12 +186,14 @@ def _navigable(url: str) -> bool:
 
 
 def _normalise_url(url: str) -> str:
-    """What Chromium reports for a URL: lower-case scheme and host, ``/`` for an empty http(s) path."""
+    """What Chromium and Playwright's ``new URL(...)`` report for a URL: lower-case scheme and host, ``/`` for an
+    empty http(s) path, spaces in the path, query and fragment as ``%20``."""
     if not _SCHEME.match(url) or url.startswith("about:"):
         return url
     parts = urlsplit(url)
     path = parts.path or ("/" if parts.scheme in ("http", "https") else "")
-    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, parts.query, parts.fragment))
+    path, query, fragment = (part.replace(" ", "%20") for part in (path, parts.query, parts.fragment))
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, query, fragment))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ places interpret it:
 The kinds, and what each does in both places:
 
 - ``status`` (:meth:`Fault.status`, :meth:`~Fault.respond`, :meth:`~Fault.fail_seed`,
-  :meth:`~Fault.malformed_json`): answer ``http_status`` with ``body``; the request is never handled (never
-  forwarded);
+  :meth:`~Fault.malformed_json`, :meth:`~Fault.invalid_utf8`, :meth:`~Fault.deep_json`, :meth:`~Fault.oversized`):
+  answer ``http_status`` with ``body`` (``chunked``: streamed without a declared length); the request is never
+  handled (never forwarded);
 - ``hang`` (:meth:`Fault.hang`): hold the request ``seconds`` (at most :data:`HANG_LIMIT_S`), then handle
   (forward) it; a client that gives up first cuts it, and it is then never handled;
 - ``drop`` (:meth:`Fault.drop_connection`): send status, headers and ``partial_body`` (None: not a byte), then abort
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, NoReturn, get_args
 
@@ -51,6 +52,8 @@ _PARTIAL_OBSERVATION = b'{"observation": "URL: '
 _MALFORMED_OBSERVATION = b'{"observation": "URL: about:blank\\nTITLE'
 # Promised beyond the partial body, so the client reads the payload as cut short rather than complete.
 _MISSING_BYTES = 64
+# A chunked canned answer is sent in pieces of this size.
+_CHUNK_BYTES = 64 * 1024
 
 
 def goto_call_log(action: str, url: str) -> str:
@@ -62,7 +65,7 @@ def goto_call_log(action: str, url: str) -> str:
 class Fault:
     """What happens to one request (see the module doc for each ``kind``); build one with the factories below.
 
-    Only the fields of its kind matter: ``http_status``, ``body`` and ``content_type`` for ``status`` (and
+    Only the fields of its kind matter: ``http_status``, ``body``, ``content_type`` and ``chunked`` for ``status`` (and
     ``http_status`` for the headers of a ``drop``), ``seconds`` for ``hang``, ``partial_body`` for ``drop``,
     ``reward`` for ``regrade``.
     """
@@ -74,6 +77,7 @@ class Fault:
     seconds: float = 0.0
     partial_body: bytes | None = None
     reward: float = 0.0
+    chunked: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -112,6 +116,23 @@ class Fault:
     def malformed_json(body: bytes = _MALFORMED_OBSERVATION, status: int = 200) -> Fault:
         """Answer ``status`` with a complete HTTP response whose JSON body does not parse."""
         return Fault("status", http_status=status, body=body)
+
+    @staticmethod
+    def invalid_utf8(status: int = 200) -> Fault:
+        """Answer ``status`` with a JSON tool answer whose observation holds bytes that are not UTF-8."""
+        return Fault("status", http_status=status, body=b'{"observation": "URL: \xff\xfe\xc3(", "done": false}')
+
+    @staticmethod
+    def deep_json(depth: int, status: int = 200) -> Fault:
+        """Answer ``status`` with well-formed JSON: an object whose ``observation`` is ``depth`` nested lists."""
+        return Fault("status", http_status=status, body=b'{"observation": ' + b"[" * depth + b"]" * depth + b"}")
+
+    @staticmethod
+    def oversized(size: int, *, chunked: bool = False, status: int = 200) -> Fault:
+        """Answer ``status`` with a well-formed JSON tool answer of ``size`` bytes (``chunked``: no Content-Length)."""
+        head, tail = b'{"observation": "', b'", "done": false, "error": null}'
+        body = head + b"x" * max(size - len(head) - len(tail), 0) + tail
+        return Fault("status", http_status=status, body=body, chunked=chunked)
 
     @staticmethod
     def hang(seconds: float = HANG_LIMIT_S) -> Fault:
@@ -156,8 +177,15 @@ Rule = Callable[[SeenRequest], Fault | None]
 
 
 def canned_answer(fault: Fault) -> web.Response:
-    """The answer of a ``status`` fault."""
-    return web.Response(status=fault.http_status, body=fault.body, content_type=fault.content_type)
+    """The answer of a ``status`` fault (a ``chunked`` one streams its body without declaring its length)."""
+    if not fault.chunked:
+        return web.Response(status=fault.http_status, body=fault.body, content_type=fault.content_type)
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(fault.body), _CHUNK_BYTES):
+            yield fault.body[start : start + _CHUNK_BYTES]
+
+    return web.Response(status=fault.http_status, body=pieces(), content_type=fault.content_type)
 
 
 async def hold(fault: Fault) -> None:

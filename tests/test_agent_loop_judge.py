@@ -88,6 +88,16 @@ async def test_a_judge_failure_is_a_valid_zero(rollout, judge_server):
     assert output.extra_fields["reward_source"] == "judge" and output.extra_fields["env_invalid"] is False
 
 
+async def test_an_answer_that_leaves_the_judge_without_a_verdict_is_a_valid_zero_not_masked(rollout, judge_server):
+    judge_server.default = fj.on_policy_text(fj.refusal())  # the judge answers the task alone, not this answer
+
+    output = await rollout(judge={"max_attempts": 2})
+
+    assert output.reward_score == 0.0 and output.extra_fields["reward_source"] == "judge"
+    assert output.extra_fields["env_invalid"] is False and output.extra_fields["env_failure_kind"] is None
+    assert set(output.response_mask) != {0}  # in the loss
+
+
 async def test_an_unusable_verdict_is_judged_again_on_the_same_evidence_without_a_new_episode(
     rollout, env, judge_server
 ):
@@ -123,7 +133,8 @@ async def test_a_judge_that_stays_down_costs_one_episode_and_the_trajectory_is_k
 
 
 async def test_a_judge_that_never_gives_a_usable_verdict_leaves_the_sample_invalid_not_zero(rollout, judge_server):
-    judge_server.script(fj.http_error(500), fj.both_tokens())
+    judge_server.default = fj.both_tokens()  # on the task alone too: the judge, not the policy's text, is at fault
+    judge_server.script(fj.http_error(500))
 
     output = await rollout(max_attempts=2, judge={"max_attempts": 2})
 

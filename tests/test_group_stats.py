@@ -181,6 +181,22 @@ def test_invalid_samples_and_groups_left_with_one_valid_sample_get_zero():
     assert torch.count_nonzero(advantages) == 0  # a: one valid; b: none; c and d: groups of one
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_score_is_left_out_of_its_group_instead_of_spreading_to_every_advantage(bad):
+    uids = np.array(["a", "a", "a", "a", "b", "b"], dtype=object)
+    rewards = torch.tensor([[1.0], [bad], [0.0], [1.0], [0.0], [1.0]])
+    advantages, _ = group_stats.compute_grpo_env_aware_advantage(rewards, torch.ones(6, 1), uids)
+    flagged, _ = group_stats.compute_grpo_env_aware_advantage(
+        torch.nan_to_num(rewards, nan=0.0, posinf=0.0, neginf=0.0),
+        torch.ones(6, 1),
+        uids,
+        env_invalid=[False, True, False, False, False, False],
+    )
+    assert torch.isfinite(advantages).all()
+    assert torch.equal(advantages, flagged)  # exactly as if the sample had been flagged invalid
+    assert advantages[1].item() == 0.0 and torch.count_nonzero(advantages) == 5
+
+
 def test_flag_count_must_match_the_batch():
     with pytest.raises(ValueError, match="3 entries for 2 samples"):
         group_stats.compute_grpo_env_aware_advantage(

@@ -189,11 +189,11 @@ async def test_a_well_formed_answer_gives_a_usable_verdict_in_one_request(
 async def test_an_unusable_answer_is_retried_on_the_same_evidence_up_to_the_budget_then_reported(
     fake: FakeJudgeServer, make_judge: MakeJudge, behaviour: Behaviour, reason: str
 ) -> None:
-    fake.default = behaviour
+    fake.default = behaviour  # answered without a verdict: the task alone is asked too, and fares no better
     result = await make_judge(max_attempts=3, timeout_s=0.2).judge(evidence())
-    assert result == Verdict(success=None, usable=False, reason=result.reason, attempts=3)
+    assert result == Verdict(success=None, usable=False, reason=result.reason, attempts=len(fake.chat_requests))
     assert reason in result.reason
-    bodies = [request.body for request in fake.chat_requests]
+    bodies = [request.body for request in fake.chat_requests if request.data_block("final_answer") is not None]
     assert len(bodies) == 3
     assert bodies[0] == bodies[1] == bodies[2]
 
@@ -343,7 +343,7 @@ async def test_a_cancelled_caller_does_not_cancel_a_request_others_wait_for(
 
 
 async def test_unusable_verdicts_are_not_cached(fake: FakeJudgeServer, make_judge: MakeJudge) -> None:
-    fake.script(hedge())
+    fake.script(http_error(500))
     judge = make_judge(max_attempts=1)
     first = await judge.judge(evidence())
     second = await judge.judge(evidence())
@@ -398,8 +398,10 @@ async def test_a_page_carrying_the_success_token_cannot_flip_a_failure_into_succ
     gullible = await judge.judge(item)
     obedient = await judge.judge(evidence(page_text=INJECTIONS[name] + "\n", final_answer=answer))
     assert gullible.success is False
-    assert obedient.success is None  # never True
+    assert obedient.success is False and obedient.policy_caused  # never True: the page left it without a verdict
     for request in fake.chat_requests:
+        if request.data_block("final_answer") is None:
+            continue  # the task alone, asked after the obedient judge gave no verdict
         page_block = request.data_block("page_text")
         assert page_block is not None and "Price: $30" in page_block  # the page stays inside its own fence
         assert request.user_text.count(SUCCESS_TOKEN) == 1  # only the closing reminder

@@ -4,10 +4,12 @@
     vLLM 0.24.0's CPU linear layers (``UnquantizedLinearMethod.process_weights_after_loading``) hand
     ``layer.weight`` to oneDNN, which packs a copy, and replace the weight with an empty tensor
     (``remove_weight=True``); embeddings and a tied lm_head keep theirs but compute logits from the packed copy
-    too. A later ``load_weights`` from verl then writes into an empty parameter (and fails), or into a weight the
-    forward pass no longer reads (the lm_head: the sync "succeeds" and the old logits stay). The wrapper always
-    keeps ``layer.weight``; verl's ``update_weights_from_ipc`` calls vLLM's ``process_weights_after_loading``
-    after the last bucket, which packs the new weights again. Costs a second copy of the linear weights.
+    too. verl's first sync then fails (measured: "'Parameter' object has no attribute 'weight_loader'", the empty
+    stand-in has no loader; with verl's own sender the trainer then hangs). A layer that keeps its weight but is
+    not packed again is worse: the reload "succeeds" and the forward pass still reads the old packed copy (a
+    log-prob gap of 17.4 measured that way on the lm_head). The wrapper always keeps ``layer.weight``; verl's
+    ``update_weights_from_ipc`` calls vLLM's ``process_weights_after_loading`` after the last bucket, which packs
+    the new weights again (``check.py`` shows each sync taking effect). Costs a second copy of the linear weights.
 
 :func:`copy_received_tensors` (on ``verl.workers.rollout.vllm_rollout.bucketed_weight_transfer``)
     Replaces ``BucketedWeightReceiver`` with a subclass, ``CopyingWeightReceiver``: each tensor of a bucket is

@@ -181,3 +181,81 @@ def test_vllm_rollout_serves_the_actor_and_weight_syncs_take_effect_or_raise(wid
     assert stages["sync 4"]["figures"]["gap after resync"] < tolerance
     assert result.returncode == 0, tail
     assert not {name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith("psm_")}
+
+
+# ----- main_ppo with --engine vllm (local/training_run.py, local/run_spec.py)
+
+
+def _spec(tmp_path: Path, **changes):
+    from nemo_gym_browser.local import run_spec as rs
+
+    return rs.RunSpec(
+        model_path=tmp_path / "model",
+        train_file=tmp_path / "train.parquet",
+        val_file=tmp_path / "val.parquet",
+        server_urls=("http://127.0.0.1:1",),
+        output_dir=tmp_path / "run",
+        **changes,
+    )
+
+
+def test_the_vllm_engine_runs_verls_vllm_rollout_on_the_cpu_platform(tmp_path: Path, monkeypatch) -> None:
+    from nemo_gym_browser.local import run_spec as rs
+
+    spec = _spec(tmp_path, rollout_name=rs.VLLM_CPU_ENGINE)
+    overrides = rs.hydra_overrides(spec)
+    assert "actor_rollout_ref.rollout.name=vllm" in overrides
+    assert "trainer.device=cpu" in overrides
+    assert not any("hfcpu" in item for item in overrides)
+    tokens = spec.max_prompt_length + spec.max_response_length
+    assert f"actor_rollout_ref.rollout.max_model_len={tokens}" in overrides
+    env = rs.process_environment(spec, base={})
+    assert env["VERL_PLATFORM"] == "cpu" and vllm_cpu.PLUGIN_MODULE in env["VERL_USE_EXTERNAL_MODULES"]
+    monkeypatch.setenv(rs.VLLM_VENV_ENV, str(tmp_path / "no-venv"))
+    with pytest.raises(FileNotFoundError, match=r"setup_vllm\.sh"):
+        rs.main_ppo_python(spec)
+    assert rs.main_ppo_python(_spec(tmp_path)) == sys.executable  # hfcpu runs in this venv
+
+
+def test_the_per_step_sync_check() -> None:
+    from nemo_gym_browser.local import training_run as tr
+
+    good = {1: {tr.SYNC_CHECK_KEY: 9.5e-7}, 2: {tr.SYNC_CHECK_KEY: 2e-6}}
+    assert tr.sync_check(good, 2) == ""
+    stale = {1: {tr.SYNC_CHECK_KEY: 9.5e-7}, 2: {tr.SYNC_CHECK_KEY: 0.4}}
+    assert "disagree" in tr.sync_check(stale, 2) and "{2: 0.4}" in tr.sync_check(stale, 2)
+    assert "logged no" in tr.sync_check({1: {}}, 1)
+    assert "disagree" in tr.sync_check({1: {tr.SYNC_CHECK_KEY: float("nan")}}, 1)
+
+
+def test_the_policy_is_served_widened_only_when_vllm_cpu_needs_it(wide_policy: Path, tmp_path: Path) -> None:
+    from nemo_gym_browser.local import training_run as tr
+
+    widened = tr.vllm_servable(DEAL_POLICY_DIR, tmp_path)
+    assert widened == tmp_path / "deal_policy-head32"
+    assert json.loads((widened / "config.json").read_text())["head_dim"] == 32
+    assert tr.vllm_servable(wide_policy, tmp_path) == wide_policy
+
+
+@pytest.mark.vllm_cpu
+@needs_vllm_venv
+def test_main_ppo_trains_two_steps_with_verls_vllm_rollout_on_cpu(tmp_path: Path) -> None:
+    """verl's main_ppo, V1 trainer, hybrid vLLM replica on CPU, BrowserToolAgentLoop on the deal tasks against the
+    fake environment server; every step's rollout probabilities equal the actor's (the per-sync check)."""
+    shm_before = set(os.listdir("/dev/shm"))
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "nemo_gym_browser.local.training_run", "--workdir", str(tmp_path), "--suite",
+         "deal", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--engine", "vllm",
+         "--environment", "fake", "--timeout", "1500"],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    tail = (result.stdout + result.stderr)[-4000:]
+    assert result.returncode == 0, tail
+    assert "every step's rollout probabilities equal the actor's" in result.stdout, tail
+    assert "sessions left open: 0" in result.stdout, tail
+    from nemo_gym_browser.local.main_ppo_process import read_step_metrics
+
+    steps = read_step_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert sorted(steps) == [1, 2]
+    assert all(steps[step]["training/rollout_probs_diff_max"] < 1e-3 for step in (1, 2))
+    assert not {name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith("psm_")}

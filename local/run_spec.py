@@ -161,6 +161,9 @@ def hydra_overrides(spec: RunSpec) -> list[str]:
         overrides += _cpu_backend().cpu_overrides()
     elif spec.rollout_name == VLLM_CPU_ENGINE:
         overrides += _vllm_cpu().vllm_cpu_overrides(max_model_len=tokens)
+        # verl starts 8 reward workers; each imports torch 2.11's CUDA build (~0.5 GB: 3.8 GB of a measured 10 GiB
+        # run) to score nothing, since the agent loop scores its own episodes.
+        overrides.append("reward.num_workers=1")
     else:
         overrides += [
             f"actor_rollout_ref.rollout.name={spec.rollout_name}",

@@ -209,8 +209,11 @@ def test_the_vllm_engine_runs_verls_vllm_rollout_on_the_cpu_platform(tmp_path: P
     assert not any("hfcpu" in item for item in overrides)
     tokens = spec.max_prompt_length + spec.max_response_length
     assert f"actor_rollout_ref.rollout.max_model_len={tokens}" in overrides
+    assert "reward.num_workers=1" in overrides  # verl's 8 would each hold ~0.5 GB for nothing
+    assert "+actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni" in overrides
     env = rs.process_environment(spec, base={})
     assert env["VERL_PLATFORM"] == "cpu" and vllm_cpu.PLUGIN_MODULE in env["VERL_USE_EXTERNAL_MODULES"]
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM's CPU platform turns "uni" back into "mp"
     monkeypatch.setenv(rs.VLLM_VENV_ENV, str(tmp_path / "no-venv"))
     with pytest.raises(FileNotFoundError, match=r"setup_vllm\.sh"):
         rs.main_ppo_python(spec)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .run_spec import RunSpec, main_ppo_command, process_environment
+from .run_spec import VLLM_CPU_ENGINE, RunSpec, main_ppo_command, process_environment
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ def run_main_ppo(
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     spec.advantages_path.unlink(missing_ok=True)  # appended to by the trainer: start empty, like metrics.jsonl
     command = main_ppo_command(spec, python)
+    started_wall = time.time()
     (spec.output_dir / "command.txt").write_text(" \\\n  ".join(command) + "\n")
     started = time.monotonic()
     with open(spec.log_path, "ab") as log:
@@ -132,6 +133,12 @@ def run_main_ppo(
                 signal.signal(signal.SIGTERM, previous)
             memory.stop()
             reader.join(timeout=10)
+            if spec.rollout_name == VLLM_CPU_ENGINE:
+                # Ray killed vLLM's engine processes: their message-queue segments stay in /dev/shm unless removed.
+                from .vllm_cpu import remove_orphaned_shm
+
+                _wait_for_group_to_end(process.pid, timeout_s=15.0)
+                remove_orphaned_shm(started_wall)
     return RunResult(
         returncode,
         time.monotonic() - started,
@@ -141,6 +148,18 @@ def run_main_ppo(
         spec.log_path,
         memory.machine_peak_bytes,
     )
+
+
+def _wait_for_group_to_end(pgid: int, *, timeout_s: float) -> bool:
+    """Wait until no process of the group is left (Ray's workers outlive main_ppo by a moment); True if none is."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -4,7 +4,9 @@
 :func:`hydra_overrides`, :func:`process_environment` and :func:`main_ppo_command` turn it into
 ``python -m verl.trainer.main_ppo`` on ``configs/webvoyager_grpo.yaml`` (the recipe's own trainer config, as
 ``submit_webvoyager.sh`` uses it) with small sizes and, unless ``rollout_name`` says otherwise, the CPU backend of
-:mod:`nemo_gym_browser.local.cpu_backend` in place of vLLM. Building a command starts nothing.
+:mod:`nemo_gym_browser.local.cpu_backend` in place of vLLM. ``rollout_name="vllm-cpu"`` (:data:`VLLM_CPU_ENGINE`)
+runs verl's own vLLM rollout on vLLM's CPU build instead (:mod:`nemo_gym_browser.local.vllm_cpu`, in
+``.venv-vllm``: :func:`main_ppo_python`). Building a command starts nothing.
 
 The stock arm (``estimator="grpo"``) is verl's GRPO as it ships: the recipe's trainer wiring is switched off
 (``NEMO_GYM_BROWSER_PATCHES=0``), each rollout gets one attempt and a failure enters its group as a zero.
@@ -34,6 +36,9 @@ LOG_FILE = "main_ppo.log"
 CHECKPOINT_DIR = "checkpoints"
 STOCK_ESTIMATOR = "grpo"
 CPU_ROLLOUT = "hfcpu"  # cpu_backend.ROLLOUT_NAME, not imported here so that building a command imports nothing
+# verl's own rollout name=vllm, on vLLM's CPU build and verl's cpu platform (local/vllm_cpu); needs .venv-vllm
+VLLM_CPU_ENGINE = "vllm-cpu"
+VLLM_VENV_ENV = "NEMO_GYM_BROWSER_VLLM_VENV"  # as scripts/setup_vllm.sh reads it; default RECIPE_DIR/.venv-vllm
 RECIPE_ESTIMATOR = ESTIMATOR_NAME
 
 
@@ -74,7 +79,8 @@ class RunSpec:
     resume: bool = False
     temperature: float = 1.0
     seed: int = 0
-    rollout_name: str = CPU_ROLLOUT  # the CPU backend; "vllm" on a GPU machine (scripts/gpu_check.sh)
+    # the CPU backend; VLLM_CPU_ENGINE for verl's vLLM rollout on CPU; "vllm" on a GPU machine (scripts/gpu_check.sh)
+    rollout_name: str = CPU_ROLLOUT
     agent_workers: int = 1
     extra_overrides: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -169,6 +175,11 @@ def hydra_overrides(spec: RunSpec) -> list[str]:
     ]
     if spec.rollout_name == CPU_ROLLOUT:
         overrides += _cpu_backend().cpu_overrides()
+    elif spec.rollout_name == VLLM_CPU_ENGINE:
+        overrides += _vllm_cpu().vllm_cpu_overrides(max_model_len=tokens)
+        # verl starts 8 reward workers; each imports torch 2.11's CUDA build (~0.5 GB: 3.8 GB of a measured 10 GiB
+        # run) to score nothing, since the agent loop scores its own episodes.
+        overrides.append("reward.num_workers=1")
     else:
         overrides += [
             f"actor_rollout_ref.rollout.name={spec.rollout_name}",
@@ -191,6 +202,12 @@ def _cpu_backend() -> Any:
     return cpu_backend
 
 
+def _vllm_cpu() -> Any:
+    from . import vllm_cpu
+
+    return vllm_cpu
+
+
 def process_environment(spec: RunSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of the ``main_ppo`` process (its local Ray cluster's workers inherit it)."""
     env = dict(os.environ if base is None else base)
@@ -210,8 +227,24 @@ def process_environment(spec: RunSpec, base: Mapping[str, str] | None = None) ->
     )
     if spec.rollout_name == CPU_ROLLOUT:
         env.update(_cpu_backend().cpu_env())
+    elif spec.rollout_name == VLLM_CPU_ENGINE:
+        env.update(_vllm_cpu().vllm_cpu_env())
     env.update(spec.extra_env)
     return env
+
+
+def main_ppo_python(spec: RunSpec) -> str:
+    """The interpreter ``main_ppo`` runs with: ``.venv-vllm``'s for :data:`VLLM_CPU_ENGINE` (vLLM's CPU build needs
+    torch 2.11.0, .venv has 2.13.0), this one otherwise."""
+    if spec.rollout_name != VLLM_CPU_ENGINE:
+        return sys.executable
+    venv = Path(os.environ.get(VLLM_VENV_ENV) or RECIPE_DIR / ".venv-vllm")
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(
+            f"{python} does not exist: bash scripts/setup_vllm.sh creates the venv for {spec.rollout_name}"
+        )
+    return str(python)
 
 
 def main_ppo_command(spec: RunSpec, python: str = sys.executable) -> list[str]:

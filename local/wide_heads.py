@@ -1,0 +1,143 @@
+"""A copy of a Qwen2 policy whose attention heads are wider, zero-padded, computing the same function.
+
+Why: vLLM's CPU attention takes head sizes 32, 64, 80 and larger, and the tiny policies (``local/deal_policy``) have
+heads 16 wide (hidden 64, 4 heads). :func:`widen_heads` writes a folder whose heads are ``head_dim`` wide (32 by
+default) that verl's FSDP actor, transformers and vLLM all load, and whose logits equal the original's up to float
+rounding (:func:`max_logit_gap` measures it; the test holds it under :data:`LOGIT_TOLERANCE`).
+
+Why the copy is a Llama: vLLM 0.24.0's Qwen2 ignores ``config.head_dim`` (it takes ``hidden_size // num_heads``),
+its Llama reads it. A Qwen2 is a Llama with biases on q, k and v and none on ``o_proj``; Llama's
+``attention_bias=True`` puts one on all four, so the copy's ``o_proj`` gets a zero bias. Training may move that bias
+off zero: the rollout (vLLM) and the actor (transformers) still run the same Llama, it is just no longer a Qwen2.
+
+How each head keeps its function (``d`` the old width, ``D`` the new one)
+    * Rotary embedding: in a head of width ``d`` (transformers' and vLLM's ``rotate_half`` layout, not interleaved),
+      dimension ``i < d/2`` is rotated together with ``i + d/2`` at frequency ``theta^(-2i/d)``. In the wide head,
+      dimension ``j < D/2`` pairs with ``j + D/2`` at ``theta^(-2j/D)``. Putting old dimension ``i`` at
+      ``j = i * D/d`` and old ``i + d/2`` at ``j + D/2`` keeps every pair and its frequency (``2j/D = 2i/d``) with
+      ``rope_theta`` unchanged. The other dimensions of q and k are zero rows (and zero bias), so they add nothing to
+      ``q . k``.
+    * Scale: attention divides ``q . k`` by ``sqrt(head_dim)``, now ``sqrt(D)``: the query rows and bias are
+      multiplied by ``sqrt(D/d)`` (the config has no separate attention scale for Qwen2).
+    * Values and output: old value dimension ``i`` stays at ``i``; the padded value rows and the matching
+      ``o_proj`` columns are zero.
+    * Training keeps the padding zero: a zero query dimension meets only zero key dimensions, so both get zero
+      gradient, and a zero value row feeds only a zero ``o_proj`` column (and the reverse), so with Adam (zero
+      gradient, zero update) the copy stays the same function as a trained original would be, up to the query
+      scale's effect on the optimiser.
+
+Only the attention projections change (and ``o_proj`` gains its zero bias); embeddings, MLP, norms, tokenizer and
+chat template are copied as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = ["LOGIT_TOLERANCE", "VLLM_CPU_HEAD_SIZES", "max_logit_gap", "widen_heads", "widened_state_dict"]
+
+# The head sizes vLLM 0.24.0's CPU attention backend accepts (vllm/v1/attention/backends/cpu_attn.py).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Widened logits against the original's, float32 on CPU: measured 4e-6 on local/deal_policy (the order of float32
+# rounding over two layers); the bound leaves room for other thread counts and kernels.
+LOGIT_TOLERANCE = 1e-4
+_QWEN2_ONLY = ("layer_types", "max_window_layers", "sliding_window", "use_sliding_window")
+_COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+           "special_tokens_map.json", "warm_start.json")  # fmt: skip
+
+
+def _head_rows(old: int, new: int, rotary: bool) -> torch.Tensor:
+    """Where each of a head's ``old`` dimensions goes in a head of ``new`` (index tensor of length ``old``)."""
+    if not rotary:
+        return torch.arange(old)
+    stride = new // old
+    half = torch.arange(old // 2) * stride
+    return torch.cat([half, half + new // 2])
+
+
+def _widen_rows(weight: torch.Tensor, heads: int, old: int, new: int, rotary: bool, scale: float) -> torch.Tensor:
+    """``weight`` ([heads*old, ...] or a bias [heads*old]) laid out for heads of width ``new``, the rest zero."""
+    rest = weight.shape[1:]
+    per_head = weight.reshape(heads, old, *rest)
+    wide = torch.zeros(heads, new, *rest, dtype=weight.dtype)
+    wide[:, _head_rows(old, new, rotary)] = per_head * scale
+    return wide.reshape(heads * new, *rest)
+
+
+def widened_state_dict(
+    state: dict[str, torch.Tensor], *, num_heads: int, num_kv_heads: int, old: int, new: int
+) -> dict[str, torch.Tensor]:
+    """The tensors of a Qwen2 state dict with every attention head widened from ``old`` to ``new`` dimensions."""
+    if new % old or new < old or old % 2:
+        raise ValueError(f"the new head width must be a multiple of the old one (even): {old} -> {new}")
+    q_scale = math.sqrt(new / old)
+    out = {}
+    for name, tensor in state.items():
+        if ".self_attn.q_proj." in name:
+            out[name] = _widen_rows(tensor, num_heads, old, new, rotary=True, scale=q_scale)
+        elif ".self_attn.k_proj." in name:
+            out[name] = _widen_rows(tensor, num_kv_heads, old, new, rotary=True, scale=1.0)
+        elif ".self_attn.v_proj." in name:
+            out[name] = _widen_rows(tensor, num_kv_heads, old, new, rotary=False, scale=1.0)
+        elif ".self_attn.o_proj.weight" in name:
+            out[name] = _widen_rows(tensor.t(), num_heads, old, new, rotary=False, scale=1.0).t().contiguous()
+            bias = name.replace(".weight", ".bias")
+            if bias not in state:
+                out[bias] = torch.zeros(tensor.shape[0], dtype=tensor.dtype)
+        else:
+            out[name] = tensor.clone()
+    return out
+
+
+def widen_heads(source: Path, output: Path, *, head_dim: int = 32) -> Path:
+    """Write ``output``: ``source`` (a Qwen2 folder) as a Llama with attention heads ``head_dim`` wide, the same
+    function.
+
+    Returns ``output``. Raises ``ValueError`` for another architecture, a width that is not a multiple of the
+    current one, or a width vLLM's CPU attention does not take.
+    """
+    from safetensors.torch import load_file, save_file
+
+    source, output = Path(source), Path(output)
+    config = json.loads((source / "config.json").read_text())
+    if config.get("model_type") != "qwen2":
+        raise ValueError(f"{source}: only Qwen2 policies are widened, not {config.get('model_type')!r}")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    old = config.get("head_dim") or config["hidden_size"] // heads
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention takes head sizes {VLLM_CPU_HEAD_SIZES}, not {head_dim}")
+    state = load_file(source / "model.safetensors")
+    wide = widened_state_dict(state, num_heads=heads, num_kv_heads=kv_heads, old=old, new=head_dim)
+    output.mkdir(parents=True, exist_ok=True)
+    save_file(wide, output / "model.safetensors", metadata={"format": "pt"})
+    for key in _QWEN2_ONLY:
+        config.pop(key, None)
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=head_dim, attention_bias=True,
+                  mlp_bias=False)  # fmt: skip
+    (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in _COPIED:
+        if (source / name).exists():
+            shutil.copy2(source / name, output / name)
+    return output
+
+
+@torch.no_grad()
+def max_logit_gap(first: Path, second: Path, token_ids: list[list[int]]) -> float:
+    """The largest absolute difference between two model folders' logits (float32, CPU) on the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    gap = 0.0
+    models = [
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+        for folder in (first, second)
+    ]
+    for ids in token_ids:
+        batch = torch.tensor([ids])
+        logits = [model(input_ids=batch).logits for model in models]
+        gap = max(gap, float((logits[0] - logits[1]).abs().max()))
+    return gap

@@ -42,6 +42,8 @@ from nemo_gym_browser.local import training_run as tr
 from nemo_gym_browser.prepare_webvoyager_data import prepare_rows
 from nemo_gym_browser.testing.benchmarking import header
 
+ENGINES = tr.ENGINES
+
 HERE = Path(__file__).resolve().parent
 ARMS = ("recipe", "stock")
 # Validation data sources: the training tasks and the held-back boards, scored apart by verl's validation.
@@ -70,9 +72,9 @@ def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url:
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         f"actor_rollout_ref.rollout.val_kwargs.n={n}",
-        # request ids stable across runs, so the rollout's sampling streams are (local/cpu_backend/server.py)
-        "actor_rollout_ref.rollout.full_determinism=True",
     ]
+    if args.engine == "hfcpu":  # request ids stable across runs, so the sampling streams are (cpu_backend/server.py)
+        overrides.append("actor_rollout_ref.rollout.full_determinism=True")
     if arm == "stock":
         overrides.append("+nemo_gym_browser.train_on_failures=True")
     return rs.RunSpec(
@@ -90,6 +92,7 @@ def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url:
         test_freq=args.eval_every,
         val_before_train=True,
         seed=seed,
+        rollout_name=ENGINES[args.engine],
         extra_overrides=tuple(overrides),
         faults=inj.FaultSpec(rate=rate, at="browser-call", kind=args.fault_kind),
     )
@@ -116,7 +119,9 @@ def evaluated(steps: dict[int, dict[str, Any]], n: int) -> dict[int, dict[str, f
 def run_one(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: str, data: dict[str, Any]) -> dict:
     spec = run_spec(args, arm=arm, seed=seed, rate=rate, url=url, data=data)
     with inj.InjectedFaults(url, spec.faults.rule(seed, spare_tasks=data["val_ids"])) as faults:
-        result = mp.run_main_ppo(spec.replace(server_urls=(faults.url,)), timeout_s=args.timeout)
+        result = mp.run_main_ppo(
+            spec.replace(server_urls=(faults.url,)), timeout_s=args.timeout, python=rs.main_ppo_python(spec)
+        )
         injected = faults.counts()
         left_open = len(faults.open_session_ids)
     if not result.ok:
@@ -269,6 +274,9 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--lr", type=float, default=3e-4, help="actor learning rate (%(default)s)")
     parser.add_argument("--model", type=Path, default=None,
                         help="a policy folder (default: build the deal policy in --workdir)")  # fmt: skip
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="hfcpu",
+                        help="what serves the policy: hfcpu (local/cpu_backend, default) or vllm (verl's vLLM "
+                        "rollout on vLLM's CPU build, .venv-vllm; the policy as its head_dim-32 copy)")  # fmt: skip
     parser.add_argument("--environment", choices=("fake", "real"), default="fake",
                         help="the fake interactive_browser (default) or nemo-gym 0.7.0 with Chromium")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/nemo-gym-browser-learning-curve"))
@@ -302,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     val_train, train_ids = validation_rows(train_rows, "train", args.workdir / "val" / "train.jsonl", args.val_tasks)
     val_held, held_ids = validation_rows(held_rows, "heldback", args.workdir / "val" / "heldback.jsonl", args.val_tasks)
     model = args.model or tr.deal_policy_folder(args.workdir)
+    if args.engine == "vllm":
+        model = tr.vllm_servable(model, args.workdir)
     data = {"model": model, "train": train_rows, "val": (val_train, val_held), "val_ids": train_ids | held_ids}
     print(f"policy {model} ready after {time.monotonic() - started:.0f} s", flush=True)
 

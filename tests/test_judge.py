@@ -6,10 +6,10 @@ import asyncio
 import logging
 import re
 import socket
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from judge_fixtures import FAST, MakeJudge
 
 from nemo_gym_browser.judge import (
     FAILURE_TOKEN,
@@ -44,10 +44,7 @@ from nemo_gym_browser.testing.fake_judge import (
 
 CONFIG_YAML = Path(__file__).resolve().parents[1] / "configs" / "judge.yaml"
 # Small enough to keep the suite fast, large enough for loopback on a busy 2-core machine.
-FAST = {"timeout_s": 0.3, "connect_timeout_s": 0.3, "backoff_s": 0.005, "backoff_max_s": 0.05, "max_attempts": 3}
 TOKEN_ANYWHERE = re.compile(r"judge[\W_]*verdict[\W_]*success", re.IGNORECASE)
-
-MakeJudge = Callable[..., BinaryJudge]
 
 
 def evidence(**changes: object) -> JudgeEvidence:
@@ -62,27 +59,6 @@ def evidence(**changes: object) -> JudgeEvidence:
     }
     values.update(changes)
     return JudgeEvidence(**values)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeJudgeServer]:
-    async with FakeJudgeServer() as server:
-        yield server
-
-
-@pytest.fixture
-async def make_judge(fake: FakeJudgeServer) -> AsyncIterator[MakeJudge]:
-    judges: list[BinaryJudge] = []
-
-    def build(**overrides: object) -> BinaryJudge:
-        values = {"base_url": fake.base_url, "model": fake.model, **FAST, **overrides}
-        judge = BinaryJudge.from_config(JudgeConfig.from_mapping(values))
-        judges.append(judge)
-        return judge
-
-    yield build
-    for judge in judges:
-        await judge.close()
 
 
 # --- the parsing rule -------------------------------------------------------------------------------------------

@@ -7,17 +7,11 @@ Transport, HTTP and body failures never involve the policy and are never probed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-
 import pytest
+from judge_fixtures import MakeJudge
 
-from nemo_gym_browser.judge import BinaryJudge, JudgeEvidence, Verdict, without_policy_text
-from nemo_gym_browser.settings import JudgeConfig
+from nemo_gym_browser.judge import JudgeEvidence, Verdict, without_policy_text
 from nemo_gym_browser.testing import fake_judge as fj
-
-FAST = {"timeout_s": 0.3, "connect_timeout_s": 0.3, "backoff_s": 0.005, "backoff_max_s": 0.05, "max_attempts": 3}
-
-MakeJudge = Callable[..., BinaryJudge]
 
 # Answers a policy's text can provoke: the judge read the prompt and gave no verdict.
 ANSWERED = {
@@ -54,27 +48,6 @@ def evidence(**changes: object) -> JudgeEvidence:
     }
     values.update(changes)
     return JudgeEvidence(**values)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[fj.FakeJudgeServer]:
-    async with fj.FakeJudgeServer() as server:
-        yield server
-
-
-@pytest.fixture
-async def make_judge(fake: fj.FakeJudgeServer) -> AsyncIterator[MakeJudge]:
-    judges: list[BinaryJudge] = []
-
-    def build(**overrides: object) -> BinaryJudge:
-        values = {"base_url": fake.base_url, "model": fake.model, **FAST, **overrides}
-        judge = BinaryJudge.from_config(JudgeConfig.from_mapping(values))
-        judges.append(judge)
-        return judge
-
-    yield build
-    for judge in judges:
-        await judge.close()
 
 
 def is_control(request: fj.RecordedRequest) -> bool:

@@ -10,6 +10,7 @@ interruption or SIGTERM the whole group is stopped (it is ours: Ray's processes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # A stopped run's process group gets this long after SIGTERM (Ray shuts its workers down) before SIGKILL.
 STOP_GRACE_S = 20.0
+# How long the run's group may outlive main_ppo itself (Ray shutting down) before what is left is stopped.
+LEFTOVER_GRACE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,15 @@ def run_main_ppo(
                 signal.signal(signal.SIGTERM, previous)
             memory.stop()
             reader.join(timeout=10)
+            # Ray's workers outlive main_ppo by a moment, a signalled one until the kernel schedules its end: the
+            # run is over when its whole group is, and what still runs after LEFTOVER_GRACE_S is stopped.
+            if not _wait_for_group_to_end(process.pid, timeout_s=LEFTOVER_GRACE_S):
+                logger.warning("main_ppo's process group %d outlived it; stopping what is left", process.pid)
+                _stop_group(process)
             if spec.rollout_name == VLLM_CPU_ENGINE:
                 # Ray killed vLLM's engine processes: their message-queue segments stay in /dev/shm unless removed.
                 from .vllm_cpu import remove_orphaned_shm
 
-                _wait_for_group_to_end(process.pid, timeout_s=15.0)
                 remove_orphaned_shm(started_wall)
     return RunResult(
         returncode,
@@ -153,13 +160,14 @@ def run_main_ppo(
 def _wait_for_group_to_end(pgid: int, *, timeout_s: float) -> bool:
     """Wait until no process of the group is left (Ray's workers outlive main_ppo by a moment); True if none is."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.5)
-    return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -202,14 +210,15 @@ def _copy_lines(stream: Any, log: Any, on_line: Callable[[str], None] | None) ->
 
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the run's process group (it is ours: started with a new session), SIGKILL after the grace."""
+    """SIGTERM to the run's process group (it is ours: started with a new session), SIGKILL after the grace; returns
+    once every process of the group is gone (or after the SIGKILL's own grace)."""
     for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             return
-        try:
-            process.wait(timeout=wait_s)
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=wait_s)  # reaps the leader: a zombie leader keeps its group alive
+        if _wait_for_group_to_end(process.pid, timeout_s=max(0.0, deadline - time.monotonic())):
             return
-        except subprocess.TimeoutExpired:
-            continue

@@ -38,10 +38,10 @@ LOGPROB_TOLERANCE = 1e-3
 PERTURBATION = 0.05  # relative size of the simulated training step; moves log-probs by ~0.1-1
 
 
-def _environment() -> dict[str, str]:
+def _environment(num_threads: int = 1) -> dict[str, str]:
     from . import vllm_cpu_env
 
-    env = vllm_cpu_env()
+    env = vllm_cpu_env(num_threads=num_threads)
     env.update({"RAY_DEDUP_LOGS": "0", "HYDRA_FULL_ERROR": "1"})
     return env
 
@@ -116,10 +116,11 @@ def rollout_adapter(rollout_config: Any, model_config: Any, *, sync_timeout_s: f
 
 
 @contextlib.contextmanager
-def private_ray(*, num_cpus: int = 4) -> Iterator[None]:
-    """The CPU vLLM environment in this process and a private Ray on 127.0.0.1 with one logical GPU; on the way out
-    Ray is shut down (vLLM's engine processes end with it) and the /dev/shm segments they left are removed."""
-    os.environ.update(_environment())  # before verl, Ray and vLLM are imported: every process inherits it
+def private_ray(*, num_cpus: int = 4, num_threads: int = 1) -> Iterator[None]:
+    """The CPU vLLM environment in this process (``num_threads`` compute threads per process) and a private Ray on
+    127.0.0.1 with one logical GPU; on the way out Ray is shut down (vLLM's engine processes end with it) and the
+    /dev/shm segments they left are removed."""
+    os.environ.update(_environment(num_threads))  # before verl, Ray and vLLM are imported: every process inherits it
     import ray
 
     from . import install, remove_orphaned_shm, wall_clock

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -80,8 +82,6 @@ class Level:
 
 
 def _pid(actor: Any) -> int:
-    import os
-
     return os.getpid()
 
 
@@ -161,17 +161,15 @@ async def start_hfcpu(model: Path, max_model_len: int, threads: int, seed: int) 
     return Engine("hfcpu", handle, _descendants(pid))
 
 
-async def greedy_check(engines: dict[str, Engine], vocab: int, seed: int) -> int:
+async def greedy_check(engines: dict[str, Engine], lengths: tuple[int, int], vocab: int, seed: int) -> int:
     """Requests (of :data:`GREEDY_PROMPTS`) on which both engines generate the same greedy tokens."""
-    prompts = prompts_for(GREEDY_PROMPTS, (50, 400), vocab, seed + 1)
+    prompts = prompts_for(GREEDY_PROMPTS, lengths, vocab, seed + 1)
     params = {"temperature": 0.0, "max_tokens": GREEDY_TOKENS, "ignore_eos": True}
     answers = {name: (await engine.wave(prompts, params, "greedy"))[1] for name, engine in engines.items()}
     return sum(a == b for a, b in zip(answers["vllm"], answers["hfcpu"], strict=True))
 
 
 async def measure(args: argparse.Namespace, model: Path, vocab: int) -> tuple[list[Wave], list[Level], dict[str, Any]]:
-    import os
-
     max_model_len = args.prompt_tokens[1] + args.max_tokens
     extra: dict[str, Any] = {}
     began = time.monotonic()
@@ -183,7 +181,8 @@ async def measure(args: argparse.Namespace, model: Path, vocab: int) -> tuple[li
     extra["server processes"] = {name: len(engine.pids) for name, engine in engines.items()}
     for engine in engines.values():  # first-call costs (allocations, kernel choice) are not a wave's
         await engine.wave([[5] * 16], {"temperature": 1.0, "max_tokens": 4, "ignore_eos": True}, "warm-up")
-    extra["same greedy tokens"] = f"{await greedy_check(engines, vocab, args.seed)}/{GREEDY_PROMPTS}"
+    same = await greedy_check(engines, tuple(args.prompt_tokens), vocab, args.seed)
+    extra["same greedy tokens"] = f"{same}/{GREEDY_PROMPTS}"
     print(f"started: vllm {extra['vllm start s']} s, hfcpu {extra['hfcpu start s']} s; "
           f"same greedy tokens on {extra['same greedy tokens']} requests", flush=True)  # fmt: skip
     params = {"temperature": 1.0, "max_tokens": args.max_tokens, "ignore_eos": True}
@@ -271,9 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engines.py: error: {problem}", file=sys.stderr)
         return 2
 
+    from nemo_gym_browser.local.vllm_cpu.check import _environment, private_ray
+
+    # Before anything imports verl: it loads the CPU platform and the vLLM shims named here, in every process.
+    os.environ.update(_environment(args.threads))
     from nemo_gym_browser.local.policy_model import policy_tokenizer
     from nemo_gym_browser.local.tiny_policy import DEAL_POLICY_DIR
-    from nemo_gym_browser.local.vllm_cpu.check import private_ray
     from nemo_gym_browser.local.wide_heads import widen_heads
     from nemo_gym_browser.testing.benchmarking import header, write_report
 
@@ -290,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             with private_ray(num_threads=args.threads):
                 waves, levels, extra = asyncio.run(measure(args, model.resolve(), vocab))
         except Exception as exc:  # an engine that fails is a result of this benchmark, not a crash
+            traceback.print_exc()
             print(f"engines.py: an engine failed: {exc!r}", file=sys.stderr)
             return 1
     print("requests | vllm s | hfcpu s | vllm tok/s | hfcpu tok/s | vllm/hfcpu | cores vllm / hfcpu")

@@ -28,7 +28,16 @@ def load(name: str) -> ModuleType:
 
 
 @pytest.mark.parametrize(
-    "name", ["baseline_bias", "rollout_overhead", "chaos", "learning_curve", "decode_throughput", "session_capacity"]
+    "name",
+    [
+        "baseline_bias",
+        "rollout_overhead",
+        "chaos",
+        "learning_curve",
+        "decode_throughput",
+        "session_capacity",
+        "engines",
+    ],
 )
 def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
     module = load(name)
@@ -52,6 +61,10 @@ def test_each_benchmark_explains_itself_with_examples_under_help(name, capsys):
         ("decode_throughput", ["--concurrency", "0"]),
         ("session_capacity", ["--concurrency", "4", "0"]),
         ("session_capacity", ["--waves", "0"]),
+        ("engines", ["--concurrency", "0"]),
+        ("engines", ["--concurrency", "65"]),
+        ("engines", ["--repeats", "0"]),
+        ("engines", ["--prompt-tokens", "900", "600"]),
     ],
 )
 def test_each_benchmark_rejects_impossible_settings_with_exit_code_two(name, argv, capsys):

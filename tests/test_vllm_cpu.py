@@ -5,7 +5,9 @@ the settings composing with verl's config, the /dev/shm clean-up. The ``vllm_cpu
 ``python -m nemo_gym_browser.local.vllm_cpu.check`` with ``.venv-vllm``'s interpreter (``scripts/setup_vllm.sh``)
 and are skipped where that venv does not exist: verl's ``vLLMHttpServer`` on CPU, synced from a Hugging Face actor,
 must serve the actor's log-probs, take a step's change, fail the check after a sync that changes nothing, and raise
-on a broken sync instead of hanging.
+on a broken sync instead of hanging. ``python -m nemo_gym_browser.local.vllm_cpu.loop_check`` drives the same server
+through verl's own ``LLMServerClient``: a generation cut by ``generate_within`` must stop decoding there, and the
+recipe's hermes parser must read the tool calls vLLM generates for the deal policy.
 """
 
 from __future__ import annotations
@@ -184,6 +186,64 @@ def test_vllm_rollout_serves_the_actor_and_weight_syncs_take_effect_or_raise(wid
     assert stages["sync 4"]["figures"]["gap after resync"] < tolerance
     assert result.returncode == 0, tail
     assert not {name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith("psm_")}
+
+
+def _loop_check(wide_policy: Path, tmp_path: Path, *stages: str) -> tuple[dict, str]:
+    """``python -m nemo_gym_browser.local.vllm_cpu.loop_check`` with .venv-vllm's interpreter: its report and the
+    tail of its output; no /dev/shm segment of vLLM's left behind."""
+    report = tmp_path / "loop_check.json"
+    shm_before = set(os.listdir("/dev/shm"))
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "nemo_gym_browser.local.vllm_cpu.loop_check", "--model", str(wide_policy),
+         "--stages", *stages, "--json", str(report)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    tail = (result.stdout + result.stderr)[-4000:]
+    assert report.exists(), tail
+    assert not {name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith("psm_")}
+    data = json.loads(report.read_text())
+    data["returncode"] = result.returncode
+    return data, tail
+
+
+@pytest.mark.vllm_cpu
+@needs_vllm_venv
+def test_a_generation_cut_by_generate_within_stops_decoding_on_the_vllm_server(wide_policy: Path, tmp_path: Path):
+    """verl's LLMServerClient on the vllm path passes rollout_cancel's check; a request cut by a plain wait_for goes
+    on decoding on the server, the same request cut by generate_within leaves vLLM's engine at once."""
+    report, tail = _loop_check(wide_policy, tmp_path, "cancel")
+    stages = {stage["name"].split(":")[0]: stage["figures"] for stage in report["stages"]}
+    assert list(stages) == ["server up", "client", "cancel"], tail
+    assert stages["client"]["client"] == "verl.workers.rollout.llm_server.LLMServerClient"
+    assert stages["client"]["tracked"] is True
+    cancel = stages["cancel"]
+    assert cancel["control generated before cut"] > 0 and cancel["cut generated before cut"] > 0, tail
+    assert cancel["control generated after cut"] > 100, tail  # decoded for nobody
+    assert cancel["cut generated after cut"] == 0, tail
+    assert cancel["cut left engine after s"] is not None and cancel["cut left engine after s"] <= 2.0, tail
+    assert report["details"]["cancel"]["cut"]["counter growth after leaving"] == 0
+    assert report["returncode"] == 0, tail
+
+
+@pytest.mark.vllm_cpu
+@needs_vllm_venv
+def test_the_recipes_hermes_parser_reads_the_tool_calls_vllm_generates(wide_policy: Path, tmp_path: Path):
+    """Deal-task episodes through BrowserToolAgentLoop with verl's client in front of vLLM: every turn vLLM generated
+    parses into the same browser calls as a plain JSON reading of its text; greedy tokens equal the HF argmax."""
+    report, tail = _loop_check(wide_policy, tmp_path, "tools")
+    stages = {stage["name"].split(":")[0]: stage["figures"] for stage in report["stages"]}
+    assert list(stages) == ["server up", "tools"], tail
+    tools = stages["tools"]
+    assert tools["turns"] >= tools["episodes"] == 32, tail
+    assert tools["parser agrees"] == tools["turns"], report["details"]["tools"]["disagreements"]
+    assert tools["turns with calls"] >= 0.9 * tools["turns"], tail
+    assert tools["browser calls"] >= tools["turns with calls"]
+    assert tools["episodes answered"] == tools["episodes"]
+    assert tools["greedy tokens = HF argmax"] == tools["greedy tokens"] > 0
+    assert tools["greedy call"].startswith('browser {"action": ')
+    example = report["details"]["tools"]["examples"][0]
+    assert "<tool_call>" in example["text"] and example["calls"][0][0] == "browser"
+    assert report["returncode"] == 0, tail
 
 
 # ----- main_ppo with --engine vllm (local/training_run.py, local/run_spec.py)

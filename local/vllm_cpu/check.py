@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +38,16 @@ LOGPROB_TOLERANCE = 1e-3
 PERTURBATION = 0.05  # relative size of the simulated training step; moves log-probs by ~0.1-1
 
 
-def _environment() -> dict[str, str]:
+def _environment(num_threads: int = 1) -> dict[str, str]:
     from . import vllm_cpu_env
 
-    env = vllm_cpu_env()
+    env = vllm_cpu_env(num_threads=num_threads)
     env.update({"RAY_DEDUP_LOGS": "0", "HYDRA_FULL_ERROR": "1"})
     return env
 
 
-def compose_rollout_config(model: Path, *, max_model_len: int) -> tuple[Any, Any]:
-    """verl's rollout and model configs (ppo_trainer.yaml with the CPU vLLM overrides), resolved."""
+def compose_config(model: Path, *, max_model_len: int, overrides: Sequence[str] = ()) -> Any:
+    """verl's whole trainer config (ppo_trainer.yaml with the CPU vLLM overrides, then ``overrides``), resolved."""
     import verl
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -59,11 +61,87 @@ def compose_rollout_config(model: Path, *, max_model_len: int) -> tuple[Any, Any
         f"actor_rollout_ref.rollout.prompt_length={max_model_len // 2}",
         f"actor_rollout_ref.rollout.response_length={max_model_len // 2}",
         "actor_rollout_ref.rollout.enable_prefix_caching=False",  # prompt_logprobs of repeated prompts
+        *overrides,
     ]
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
     OmegaConf.resolve(config)
+    return config
+
+
+def compose_rollout_config(model: Path, *, max_model_len: int, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
+    """verl's rollout and model configs (:func:`compose_config`)."""
+    config = compose_config(model, max_model_len=max_model_len, overrides=overrides)
     return config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
+
+
+SERVER_NAME = "vllm_server_0_0"  # what vLLMReplica names replica 0's server on node 0
+
+
+async def launch_vllm_server(rollout_config: Any, model_config: Any, *, name: str = SERVER_NAME) -> Any:
+    """One verl ``vLLMHttpServer`` in hybrid mode as a Ray actor, as ``vLLMReplica.launch_servers`` starts replica 0
+    on one (logical) GPU; returns its handle once the server is up."""
+    import ray
+    from verl.workers.rollout.replica import RolloutMode
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    server = (
+        ray.remote(vLLMHttpServer)
+        .options(name=name, max_concurrency=1000)
+        .remote(
+            config=rollout_config,
+            model_config=model_config,
+            rollout_mode=RolloutMode.HYBRID,
+            workers=[],
+            replica_rank=0,
+            node_rank=0,
+            gpus_per_node=1,
+            nnodes=1,
+            cuda_visible_devices="0",
+        )
+    )
+    await server.launch_server.remote()
+    return server
+
+
+def rollout_adapter(rollout_config: Any, model_config: Any, *, sync_timeout_s: float = 60.0) -> Any:
+    """verl's rollout adapter for ``vllm`` as a trainer rank builds it (this package's ``CpuServerAdapter``, rank 0
+    of one): ``await adapter.update_weights(iter(state_dict.items()), global_steps=N)`` syncs the server."""
+    from verl.workers.rollout.base import get_rollout_class
+
+    os.environ.update({"RANK": "0", "RAY_LOCAL_WORLD_SIZE": "1"})
+    adapter = get_rollout_class("vllm", "async")(config=rollout_config, model_config=model_config, device_mesh=None)
+    adapter.weight_sync_timeout_s = sync_timeout_s
+    return adapter
+
+
+@contextlib.contextmanager
+def private_ray(*, num_cpus: int = 4, num_threads: int = 1) -> Iterator[None]:
+    """The CPU vLLM environment in this process (``num_threads`` compute threads per process) and a private Ray on
+    127.0.0.1 with one logical GPU; on the way out Ray is shut down (vLLM's engine processes end with it) and the
+    /dev/shm segments they left are removed."""
+    os.environ.update(_environment(num_threads))  # before verl, Ray and vLLM are imported: every process inherits it
+    import ray
+
+    from . import install, remove_orphaned_shm, wall_clock
+
+    install()  # this package may have been imported before VERL_PLATFORM was set here
+    started_wall = wall_clock()
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=1,  # the logical GPU verl's cpu platform schedules on
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        time.sleep(2)  # the engine processes end with their Ray worker
+        removed = remove_orphaned_shm(started_wall)
+        print(f"removed {len(removed)} shared-memory segments vLLM left in /dev/shm", flush=True)
 
 
 class Stage:
@@ -139,9 +217,6 @@ async def run_check(model_dir: Path, *, max_model_len: int, sync_timeout_s: floa
     import ray
     import torch
     from transformers import AutoModelForCausalLM
-    from verl.workers.rollout.base import get_rollout_class
-    from verl.workers.rollout.replica import RolloutMode
-    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
 
     from . import WeightSyncError
 
@@ -151,31 +226,12 @@ async def run_check(model_dir: Path, *, max_model_len: int, sync_timeout_s: floa
     stage = Stage("server up")
     stages.append(stage)
     started = time.monotonic()
-    server = (
-        ray.remote(vLLMHttpServer)
-        .options(name="vllm_server_0_0", max_concurrency=1000)
-        .remote(
-            config=rollout_config,
-            model_config=model_config,
-            rollout_mode=RolloutMode.HYBRID,
-            workers=[],
-            replica_rank=0,
-            node_rank=0,
-            gpus_per_node=1,
-            nnodes=1,
-            cuda_visible_devices="0",
-        )
-    )
-    await server.launch_server.remote()
+    server = await launch_vllm_server(rollout_config, model_config)
     stage.figures["startup s"] = round(time.monotonic() - started, 1)
     stage.figures["address"] = ":".join(map(str, await server.get_server_address.remote()))
     stage.ok = True
 
-    # The adapter as a trainer rank builds it: verl's registry for ("vllm", "async"), rank 0 of one.
-    os.environ.update({"RANK": "0", "RAY_LOCAL_WORLD_SIZE": "1"})
-    adapter_class = get_rollout_class("vllm", "async")
-    adapter = adapter_class(config=rollout_config, model_config=model_config, device_mesh=None)
-    adapter.weight_sync_timeout_s = sync_timeout_s
+    adapter = rollout_adapter(rollout_config, model_config, sync_timeout_s=sync_timeout_s)
 
     actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     vocab = actor.config.vocab_size
@@ -269,32 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the stages and figures here")
     args = parser.parse_args(argv)
 
-    os.environ.update(_environment())  # before verl, Ray and vLLM are imported: every process inherits it
-    import ray
-
-    from . import install, remove_orphaned_shm, wall_clock
-
-    install()  # this package was imported before VERL_PLATFORM was set here
-
-    started, started_wall = time.monotonic(), wall_clock()
-    ray.init(
-        address="local",
-        num_cpus=4,
-        num_gpus=1,  # the logical GPU verl's cpu platform schedules on
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=True,
-    )
-    try:
+    started = time.monotonic()
+    with private_ray():
         stages = asyncio.run(
             run_check(args.model.resolve(), max_model_len=args.max_model_len, sync_timeout_s=args.sync_timeout,
                       seed=args.seed)
         )  # fmt: skip
-    finally:
-        ray.shutdown()
-        time.sleep(2)  # the engine processes end with their Ray worker
-        removed = remove_orphaned_shm(started_wall)
-        print(f"removed {len(removed)} shared-memory segments vLLM left in /dev/shm", flush=True)
     for stage in stages:
         print(stage.line(), flush=True)
     ok = all(stage.ok for stage in stages) and len(stages) == 5

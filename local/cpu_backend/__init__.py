@@ -7,6 +7,13 @@ What it is, and what it is not
     a host where ``torch.cuda.is_available()`` unless ``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1`` (selecting it on a
     GPU node is a configuration mistake that would silently train on the CPU).
 
+Why it stays beside verl's own vLLM rollout (``local/vllm_cpu``, ``training_run --engine vllm``), measured
+    ``bench/engines.py`` (``bench/engines.json``): on CPU, vLLM decodes 2.2x faster at 64 requests in flight and
+    1.5x at 16, but 0.4x for one request; its server starts in 46-54 s against 6-7 s here, and each of its processes
+    holds ~0.7 GB more (PyPI's torch 2.11 is a CUDA build). The CPU tier's runs are a few steps of small batches,
+    where vLLM's start-up outweighs what it saves, and ``.venv`` keeps the CPU torch 2.13 it needs for everything
+    else; the vLLM path is tested in its own tier (``pytest -m vllm_cpu``) and the learning benchmark runs on either.
+
 The two halves (``plugin`` registers both in every process that imports verl)
     * ``platform``: a verl platform named ``cpu`` (``VERL_PLATFORM=cpu``): ``torch.cpu`` as the device module,
       gloo for collectives, and two narrow workarounds for verl 0.9.1 on CPU, installed only with that platform.

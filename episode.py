@@ -243,16 +243,17 @@ class BrowserEpisode:
             self.steps.append(f"{action}({shown}) -> error: {result.error[:120]}")
         else:
             self.steps.append(f"{action}({shown}) -> ok")
+        if action in ("navigate", "click", "type"):
+            self._page_changed = True  # before the page is read: what the policy's own action led to is not the start
         if result.observation:
             # The task's start page is honoured by the URL guard; for a relative start URL it is learnt from the
-            # first observation made before the policy changed the page.
+            # first observation of the page as seeded, before any action of the policy's changed it (a navigation's
+            # redirect target, which may be a private address, is never adopted as the start page).
             if not self._page_changed and not self.guard.knows_start_page:
                 start_url, _, _ = parse_observation(result.observation)
                 if start_url:
                     self.guard.note_start_page(start_url)
             self.last_observation = result.observation
-        if action in ("navigate", "click", "type"):
-            self._page_changed = True
         if action == "finish" and not result.error and self.final_answer is None:
             self.final_answer = arguments.get("answer")
         if result.done:

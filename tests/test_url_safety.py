@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from nemo_gym_browser.environment import ToolResult
+from nemo_gym_browser.episode import BrowserEpisode
 from nemo_gym_browser.settings import UrlPolicy
 from nemo_gym_browser.url_safety import UrlGuard, UrlRefused, is_public_address, parse_web_url
 
@@ -183,3 +185,48 @@ def test_embedded_ipv4_addresses_decide_for_their_ipv6_form(address, public):
     import ipaddress
 
     assert is_public_address(ipaddress.ip_address(address)) is public
+
+
+class _RedirectingSession:
+    """A session whose every action lands on ``landing`` (a redirect the page chose), observed in its answer."""
+
+    def __init__(self, landing: str) -> None:
+        self.landing = landing
+        self.calls: list[str] = []
+
+    async def call(self, tool: str, arguments: dict) -> ToolResult:
+        self.calls.append(tool)
+        return ToolResult(observation=f"URL: {self.landing}\nTITLE: t\nELEMENTS:\nTEXT: page")
+
+
+@pytest.mark.parametrize("start_url", [None, "site/index.html"])
+async def test_a_navigations_redirect_target_is_never_adopted_as_the_start_page(start_url):
+    session = _RedirectingSession("http://10.1.2.3/admin")
+    episode = BrowserEpisode(
+        session=session,
+        guard=UrlGuard(UrlPolicy(), start_url),
+        deadline_s=60,
+        hold_limit_s=120,
+        call_bound_s=10,
+        label="redirect",
+    )
+
+    await episode.act("browser_navigate", {"url": "http://93.184.216.34/"})  # public; the page redirects
+    refused = await episode.act("browser_navigate", {"url": "http://10.1.2.3/secrets"})
+
+    assert not episode.guard.knows_start_page
+    assert refused.startswith("Error: navigation refused") and episode.refused_navigations == 1
+    assert session.calls == ["browser_navigate"]
+
+
+async def test_the_start_page_as_seeded_is_learnt_from_the_first_observation():
+    session = _RedirectingSession("http://10.1.2.3/start")
+    episode = BrowserEpisode(
+        session=session, guard=UrlGuard(UrlPolicy(), "site/index.html"), deadline_s=60, hold_limit_s=120,
+        call_bound_s=10, label="seeded",
+    )  # fmt: skip
+
+    await episode.act("browser_observe", {})
+
+    assert episode.guard.knows_start_page
+    assert not (await episode.act("browser_navigate", {"url": "http://10.1.2.3/other"})).startswith("Error")

@@ -12,9 +12,10 @@ What this module guarantees
     longer has the shape it was written against. Importing this module imports neither torch nor verl.
 
 What is wrapped (module attributes verl looks up at call time)
-    ``ray_trainer.compute_advantage`` (legacy trainer; ``v1.utils`` binds the same function by name) and
-    ``ray_trainer.compute_data_metrics``; ``v1.utils.compute_advantage_for_multi_trajectories`` (``trainer_base``
-    binds it by name); ``PPOTrainer._compute_advantage``, ``_compute_metrics`` and ``_val_metrics_update`` (V1;
+    ``ray_trainer.compute_advantage`` (legacy trainer; ``v1.utils`` binds the same function by name),
+    ``ray_trainer.compute_data_metrics`` and ``RayPPOTrainer._val_metrics_update``;
+    ``v1.utils.compute_advantage_for_multi_trajectories`` (``trainer_base`` binds it by name);
+    ``PPOTrainer._compute_advantage``, ``_compute_metrics`` and ``_val_metrics_update`` (V1;
     ``sync``, ``colocate_async`` and ``separate_async`` all inherit them). ``core_algos``, when imported, gets
     ``grpo_env_aware`` registered for explicit use. Each binding of one function shares one wrapper. verl's
     experimental trainers (``fully_async_policy``, ``separation``, ``one_step_off_policy``) are not covered.
@@ -149,8 +150,14 @@ def _patch_ray_trainer(module: ModuleType) -> bool:
     _require(module, "compute_response_mask")
     original = _require(module, "compute_advantage", params=("data", "adv_estimator", "norm_adv_by_std_in_grpo"))
     data_metrics = _require(module, "compute_data_metrics", params=("batch", "use_critic"))
-    _require(_require(module, "RayPPOTrainer"), "fit", calls="compute_data_metrics")
+    trainer_cls = _require(module, "RayPPOTrainer")
+    _require(trainer_cls, "fit", calls="compute_data_metrics")
+    val_metrics = _require(
+        trainer_cls, "_val_metrics_update", params=("self", "sample_uids", "reward_extra_infos_dict")
+    )
+    _require(trainer_cls, "_validate", calls="_val_metrics_update")
     changed = _rebind(module, "compute_advantage", original, wrap.make_compute_advantage_wrapper)
+    changed = _rebind(trainer_cls, "_val_metrics_update", val_metrics, wrap.make_val_metrics_wrapper) or changed
     return _rebind(module, "compute_data_metrics", data_metrics, wrap.make_data_metrics_wrapper) or changed
 
 
@@ -193,7 +200,7 @@ def _patch_v1_trainer_base(module: ModuleType) -> bool:
     changed = _rebind(module, "compute_advantage_for_multi_trajectories", multi, wrap.make_multi_trajectories_wrapper)
     changed = _rebind(trainer_cls, "_compute_advantage", method, wrap.make_v1_compute_advantage_wrapper) or changed
     changed = _rebind(trainer_cls, "_compute_metrics", step_metrics, wrap.make_v1_compute_metrics_wrapper) or changed
-    return _rebind(trainer_cls, "_val_metrics_update", val_metrics, wrap.make_v1_val_metrics_wrapper) or changed
+    return _rebind(trainer_cls, "_val_metrics_update", val_metrics, wrap.make_val_metrics_wrapper) or changed
 
 
 _APPLY: dict[str, Callable[[ModuleType], bool]] = {
@@ -209,8 +216,10 @@ def _is_patched(name: str, module: ModuleType) -> bool:
         registry = getattr(module, "ADV_ESTIMATOR_REGISTRY", {})
         return getattr(registry.get(ESTIMATOR_NAME), "_nemo_gym_browser_estimator", False)
     if name == RAY_TRAINER:
-        return _is_ours(getattr(module, "compute_advantage", None)) and _is_ours(
-            getattr(module, "compute_data_metrics", None)
+        return (
+            _is_ours(getattr(module, "compute_advantage", None))
+            and _is_ours(getattr(module, "compute_data_metrics", None))
+            and _is_ours(getattr(getattr(module, "RayPPOTrainer", None), "_val_metrics_update", None))
         )
     if name == V1_UTILS:
         return _is_ours(getattr(module, "compute_advantage", None)) and _is_ours(

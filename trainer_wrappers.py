@@ -332,7 +332,7 @@ def _waiting_train_groups() -> set[str] | None:
     return {key for key, tag in listing.get("train", {}).items() if isinstance(tag, dict) and tag.get("is_prompt")}
 
 
-def make_v1_val_metrics_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_val_metrics_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     @functools.wraps(original)

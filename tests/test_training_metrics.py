@@ -596,17 +596,24 @@ async def test_legacy_post_processing_keeps_the_log_probs_when_the_first_rollout
     assert server.open_sessions == 0
 
 
-def test_validation_leaves_out_rollouts_the_environment_never_served_and_reports_them():
+@pytest.mark.parametrize("trainer_name", ["v1", "legacy"])
+def test_validation_leaves_out_rollouts_the_environment_never_served_and_reports_them(trainer_name):
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    trainer = object.__new__(PPOTrainerSync)
-    infos = {"reward": [1.0, 0.0, 0.0, 0.0], "env/invalid": [0.0, 1.0, 0.0, 1.0]}
-    uids = ["g1", "g1", "g2", "g2"]
+    if trainer_name == "v1":
+        trainer = object.__new__(PPOTrainerSync)
 
-    metrics = trainer._val_metrics_update(["site"] * 4, uids, infos, [3, 1, 3, 1], expected_acc_counts={})
-    every_attempt_failed = trainer._val_metrics_update(
-        ["site"] * 2, ["g", "g"], {"reward": [0.0, 0.0], "env/invalid": [1.0, 1.0]}, [1, 1], expected_acc_counts={}
-    )
+        def update(sources, uids, infos, turns):
+            return trainer._val_metrics_update(sources, uids, infos, turns, expected_acc_counts={})
+    else:  # the legacy trainer: no expected counts, and the turns of each validation batch as one array
+        trainer = object.__new__(ray_trainer.RayPPOTrainer)
+
+        def update(sources, uids, infos, turns):
+            return trainer._val_metrics_update(np.array(sources), uids, infos, [np.array(turns)])
+
+    infos = {"reward": [1.0, 0.0, 0.0, 0.0], "env/invalid": [0.0, 1.0, 0.0, 1.0]}
+    metrics = update(["site"] * 4, ["g1", "g1", "g2", "g2"], infos, [3, 1, 3, 1])
+    every_attempt_failed = update(["site"] * 2, ["g", "g"], {"reward": [0.0, 0.0], "env/invalid": [1.0, 1.0]}, [1, 1])
 
     assert metrics["val-core/site/reward/mean@1"] == 0.5  # the two served rollouts, not 1 / 4
     assert metrics["val-aux/env/invalid_count"] == 2.0 and metrics["val-aux/env/left_out_rate"] == 0.5

@@ -105,6 +105,25 @@ def run_main_ppo(
     started_wall = time.time()
     (spec.output_dir / "command.txt").write_text(" \\\n  ".join(command) + "\n")
     started = time.monotonic()
+    # A SIGTERM to this process must stop the run's process group too (Ray's processes are in it), not orphan it:
+    # the handler is in place before the group exists, so a SIGTERM while it starts is not missed.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main_thread else None
+    try:
+        return _run_and_collect(spec, command, timeout_s, on_line, started, started_wall)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_and_collect(
+    spec: RunSpec,
+    command: list[str],
+    timeout_s: float,
+    on_line: Callable[[str], None] | None,
+    started: float,
+    started_wall: float,
+) -> RunResult:
     with open(spec.log_path, "ab") as log:
         process = subprocess.Popen(
             command,
@@ -117,12 +136,10 @@ def run_main_ppo(
         )
         assert process.stdout is not None
         reader = threading.Thread(target=_copy_lines, args=(process.stdout, log, on_line), daemon=True)
-        reader.start()
-        memory = _MemorySampler(os.getpid())
-        # A SIGTERM to this process must stop the run's process group too (Ray's processes are in it), not orphan it.
-        on_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main_thread else None
-        try:
+        memory: _MemorySampler | None = None
+        try:  # from here on, whatever ends this call stops the group first
+            reader.start()
+            memory = _MemorySampler(os.getpid())
             returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             logger.error("main_ppo ran past %.0f s; stopping its process group %d", timeout_s, process.pid)
@@ -132,10 +149,10 @@ def run_main_ppo(
             _stop_group(process)
             raise
         finally:
-            if on_main_thread:
-                signal.signal(signal.SIGTERM, previous)
-            memory.stop()
-            reader.join(timeout=10)
+            if memory is not None:
+                memory.stop()
+            if reader.is_alive():
+                reader.join(timeout=10)
             # Ray's workers outlive main_ppo by a moment, a signalled one until the kernel schedules its end: the
             # run is over when its whole group is, and what still runs after LEFTOVER_GRACE_S is stopped.
             if not _wait_for_group_to_end(process.pid, timeout_s=LEFTOVER_GRACE_S):
@@ -146,6 +163,7 @@ def run_main_ppo(
                 from .vllm_cpu import remove_orphaned_shm
 
                 remove_orphaned_shm(started_wall)
+    assert memory is not None  # the wait returned, so the sampler ran
     return RunResult(
         returncode,
         time.monotonic() - started,

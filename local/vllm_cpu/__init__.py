@@ -333,12 +333,16 @@ def _shm_in_use() -> set[str]:
             for line in (proc / "maps").read_text(errors="replace").splitlines():
                 if "/dev/shm/" in line:
                     used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    used.add(target[len("/dev/shm/") :])
+            descriptors = list((proc / "fd").iterdir())
         except OSError:  # the process ended, or is not ours to read
             continue
+        for fd in descriptors:
+            try:
+                target = os.readlink(fd)
+            except OSError:  # closed since it was listed: only that descriptor is skipped, not the process's others
+                continue
+            if target.startswith("/dev/shm/"):
+                used.add(target[len("/dev/shm/") :])
     return used
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["integration_fixtures", "judge_fixtures", "slurm_fixtures"]
+pytest_plugins = ["environment_fixtures", "integration_fixtures", "judge_fixtures", "slurm_fixtures"]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import re
 import time
 
 import pytest
+from environment_fixtures import config
 
 from nemo_gym_browser import rows
 from nemo_gym_browser.environment import (
@@ -23,25 +24,6 @@ from nemo_gym_browser.testing.faults import Fault
 
 START = "site/index.html"
 ABOUT = {"url_contains": "about.html"}
-
-
-def config(*urls: str, **overrides) -> EnvironmentConfig:
-    values = dict(call_timeout_s=2.0, seed_timeout_s=2.0, verify_timeout_s=2.0, close_timeout_s=2.0)
-    values.update(retry_backoff_s=0.01, server_cooldown_s=0.2)
-    values.update(overrides)
-    return EnvironmentConfig(server_urls=urls, **values)
-
-
-@pytest.fixture
-async def server():
-    async with FakeEnvironmentServer() as fake:
-        yield fake
-
-
-@pytest.fixture
-async def client(server):
-    async with EnvironmentClient(config(server.url)) as env:
-        yield env
 
 
 def open_session(client: EnvironmentClient, rollout: str = "r1", verifier=ABOUT, **kwargs):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from environment_fixtures import config
 
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind, VerifyResult
 from nemo_gym_browser.server_answers import BROWSER_GONE_OPENINGS, NO_SESSION_ERROR
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 from nemo_gym_browser.testing.faults import Fault
 
 START = "site/index.html"
@@ -28,25 +28,6 @@ MARKERS = (
     NO_SESSION_ERROR,
 )
 CAP = 16 * 1024
-
-
-def config(url: str, **overrides) -> EnvironmentConfig:
-    values = dict(call_timeout_s=2.0, seed_timeout_s=2.0, verify_timeout_s=2.0, close_timeout_s=2.0)
-    values.update(retry_backoff_s=0.01, server_cooldown_s=0.2)
-    values.update(overrides)
-    return EnvironmentConfig(server_urls=(url,), **values)
-
-
-@pytest.fixture
-async def server():
-    async with FakeEnvironmentServer() as fake:
-        yield fake
-
-
-@pytest.fixture
-async def client(server):
-    async with EnvironmentClient(config(server.url)) as env:
-        yield env
 
 
 @pytest.fixture

@@ -198,8 +198,13 @@ class BrowserToolAgentLoop(ToolAgentLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("name", None)  # verl passes the registry entry whole, its name included
         settings_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key not in _VERL_LOOP_KWARGS}
+        trainer_config = kwargs.get("trainer_config", args[0] if args else None)
+        settings = resolve_settings(settings_kwargs, getattr(trainer_config, "config", None))
+        if settings.token_builder_model_type is not None:
+            # verl builds its token builder in AgentLoopBase.__init__ from this model type
+            kwargs["hf_model_type"] = settings.token_builder_model_type
         super().__init__(*args, **kwargs)
-        self.settings = resolve_settings(settings_kwargs, self.config)
+        self.settings = settings
         if self.settings.max_tool_response_length is not None:
             self.max_tool_response_length = self.settings.max_tool_response_length
         if self.max_tool_response_length < _OBSERVATION_FLOOR_CHARS:

@@ -341,6 +341,8 @@ def check_prompts(ctx: Context) -> str:
     model = ctx.config.actor_rollout_ref.model
     tokenizer = AutoTokenizer.from_pretrained(str(model.get("tokenizer_path") or model_dir))
     model_type = getattr(AutoConfig.from_pretrained(str(model_dir)), "model_type", None)
+    if ctx.settings is not None and ctx.settings.token_builder_model_type is not None:
+        model_type = ctx.settings.token_builder_model_type  # the loop builds with this one (browser_agent_loop.py)
     chat_template_kwargs = dict(ctx.config.data.get("apply_chat_template_kwargs") or {})
     builder = create_continuous_token_builder(
         tokenizer, hf_model_type=model_type, chat_template_kwargs=chat_template_kwargs

@@ -324,6 +324,14 @@ class BrowserLoopSettings(Settings):
         description=f"null: follow {DROP_INVALID_ENV}; true/false: override it. Drops rollouts still invalid after "
         "their attempts (V1 trainer only).",
     )
+    token_builder_model_type: str | None = Field(
+        None,
+        description="The Hugging Face model_type whose turn boundaries verl's token builder follows when it joins "
+        "the model's turns and the tool responses (verl picks the builder by the model's exact model_type and falls "
+        "back to a generic one for a type it does not know). null: the model's own. Set it for a checkpoint whose "
+        "model_type is not its chat template's family, e.g. 'qwen2' for a converted copy of a Qwen2 model: the "
+        "generic builder drops the newline after each <|im_end|>, and the policy sees contexts it was not trained on.",
+    )
     train_on_failures: bool = Field(
         False,
         description="true: a rollout failed by the infrastructure is trained on as a policy zero, as without this "

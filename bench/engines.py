@@ -287,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     vocab = len(policy_tokenizer())
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as workdir:
-        model = args.model or widen_heads(DEAL_POLICY_DIR, Path(workdir) / "deal_policy-head32", head_dim=32)
+        model = (
+            args.model.resolve() if args.model else widen_heads(DEAL_POLICY_DIR, Path(workdir) / "deal_policy-head32")
+        )
         try:
             with private_ray(num_threads=args.threads):
                 waves, levels, extra = asyncio.run(measure(args, model.resolve(), vocab))

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     held_rows = prepare_rows(held_file, args.workdir / "rows-heldback")
     val_train, train_ids = validation_rows(train_rows, "train", args.workdir / "val" / "train.jsonl", args.val_tasks)
     val_held, held_ids = validation_rows(held_rows, "heldback", args.workdir / "val" / "heldback.jsonl", args.val_tasks)
-    model = args.model or tr.deal_policy_folder(args.workdir)
+    model = args.model.resolve() if args.model else tr.deal_policy_folder(args.workdir)  # main_ppo runs elsewhere
     if args.engine == "vllm":
         model = tr.vllm_servable(model, args.workdir)
     data = {"model": model, "train": train_rows, "val": (val_train, val_held), "val_ids": train_ids | held_ids}

@@ -191,6 +191,11 @@ def hydra_overrides(spec: RunSpec) -> list[str]:
             "+ray_kwargs.ray_init._node_ip_address=127.0.0.1",
             "+ray_kwargs.ray_init.include_dashboard=False",
         ]
+    from .wide_heads import widened_from  # imports torch: only when a command is built
+
+    source_type = widened_from(spec.model_path)
+    if source_type is not None:  # a widened copy keeps its original's chat template (local/wide_heads.py)
+        overrides.append(f"++nemo_gym_browser.token_builder_model_type={source_type}")
     if spec.call_timeout_s is not None:  # ++: the key is not in webvoyager_grpo.yaml's nemo_gym_browser section
         overrides.append(f"++nemo_gym_browser.environment.call_timeout_s={spec.call_timeout_s}")
     return overrides + list(spec.extra_overrides)

@@ -1,14 +1,21 @@
-"""A copy of a Qwen2 policy whose attention heads are wider, zero-padded, computing the same function.
+"""A copy of a Qwen2 policy whose attention heads are wider, zero-padded, computing the same function and training
+the same way.
 
 Why: vLLM's CPU attention takes head sizes 32, 64, 80 and larger, and the tiny policies (``local/deal_policy``) have
 heads 16 wide (hidden 64, 4 heads). :func:`widen_heads` writes a folder whose heads are ``head_dim`` wide (32 by
 default) that verl's FSDP actor, transformers and vLLM all load, and whose logits equal the original's up to float
 rounding (:func:`max_logit_gap` measures it; the test holds it under :data:`LOGIT_TOLERANCE`).
 
-Why the copy is a Llama: vLLM 0.24.0's Qwen2 ignores ``config.head_dim`` (it takes ``hidden_size // num_heads``),
-its Llama reads it. A Qwen2 is a Llama with biases on q, k and v and none on ``o_proj``; Llama's
-``attention_bias=True`` puts one on all four, so the copy's ``o_proj`` gets a zero bias. Training may move that bias
-off zero: the rollout (vLLM) and the actor (transformers) still run the same Llama, it is just no longer a Qwen2.
+Why the copy is a Granite: vLLM 0.24.0's Qwen2 ignores ``config.head_dim`` (it takes ``hidden_size // num_heads``).
+Llama and Granite read it, but Llama divides ``q . k`` by ``sqrt(head_dim)``, so a Llama copy must scale its query
+rows by ``sqrt(D/d)`` to keep the function, and Adam then moves those rows ``sqrt(D/d)`` times too little in the
+original's terms: measured on the deal policy (hfcpu, 85 % failures, seed 0), the Llama copy went 0.35 -> 0.78
+held-back in 8 steps where the original went 0.40 -> 0.96. Granite, a Llama with multipliers, takes the attention
+scale from ``config.attention_multiplier``: set to the original's ``d ** -0.5``, every weight keeps its value and the
+optimiser sees the original's parameters. Its other multipliers (embedding, residual, logits) are 1. A Qwen2 is a
+Granite with biases on q, k and v and none on ``o_proj``; ``attention_bias=True`` puts one on all four, so the copy's
+``o_proj`` gets a zero bias. Training may move that bias off zero: the rollout (vLLM) and the actor (transformers)
+still run the same Granite, it is just no longer a Qwen2.
 
 How each head keeps its function (``d`` the old width, ``D`` the new one)
     * Rotary embedding: in a head of width ``d`` (transformers' and vLLM's ``rotate_half`` layout, not interleaved),
@@ -17,14 +24,12 @@ How each head keeps its function (``d`` the old width, ``D`` the new one)
       ``j = i * D/d`` and old ``i + d/2`` at ``j + D/2`` keeps every pair and its frequency (``2j/D = 2i/d``) with
       ``rope_theta`` unchanged. The other dimensions of q and k are zero rows (and zero bias), so they add nothing to
       ``q . k``.
-    * Scale: attention divides ``q . k`` by ``sqrt(head_dim)``, now ``sqrt(D)``: the query rows and bias are
-      multiplied by ``sqrt(D/d)`` (the config has no separate attention scale for Qwen2).
+    * Scale: ``attention_multiplier = d ** -0.5``, the original's.
     * Values and output: old value dimension ``i`` stays at ``i``; the padded value rows and the matching
       ``o_proj`` columns are zero.
     * Training keeps the padding zero: a zero query dimension meets only zero key dimensions, so both get zero
       gradient, and a zero value row feeds only a zero ``o_proj`` column (and the reverse), so with Adam (zero
-      gradient, zero update) the copy stays the same function as a trained original would be, up to the query
-      scale's effect on the optimiser.
+      gradient, zero update) the copy stays the same function as the original trained the same way would be.
 
 Only the attention projections change (and ``o_proj`` gains its zero bias); embeddings, MLP, norms, tokenizer and
 chat template are copied as they are.
@@ -33,19 +38,31 @@ chat template are copied as they are.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 import torch
 
-__all__ = ["LOGIT_TOLERANCE", "VLLM_CPU_HEAD_SIZES", "max_logit_gap", "widen_heads", "widened_state_dict"]
+__all__ = [
+    "LOGIT_TOLERANCE",
+    "VLLM_CPU_HEAD_SIZES",
+    "WIDENED_FROM_KEY",
+    "max_logit_gap",
+    "widen_heads",
+    "widened_from",
+    "widened_state_dict",
+]
 
 # The head sizes vLLM 0.24.0's CPU attention backend accepts (vllm/v1/attention/backends/cpu_attn.py).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # Widened logits against the original's, float32 on CPU: measured 4e-6 on local/deal_policy (the order of float32
 # rounding over two layers); the bound leaves room for other thread counts and kernels.
 LOGIT_TOLERANCE = 1e-4
+# The copy's config.json records the original's model_type under this key: verl picks the token builder that joins
+# turns and tool responses by model_type, and the copy's chat template is still the original's (a Granite type gets
+# verl's generic builder, which drops the newline after each <|im_end|>; the deal policy then did 0.35 instead of
+# 0.40 before any training). Runs on the copy set nemo_gym_browser.token_builder_model_type to it (run_spec).
+WIDENED_FROM_KEY = "widened_from_model_type"
 _QWEN2_ONLY = ("layer_types", "max_window_layers", "sliding_window", "use_sliding_window")
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
            "special_tokens_map.json", "warm_start.json")  # fmt: skip
@@ -60,12 +77,12 @@ def _head_rows(old: int, new: int, rotary: bool) -> torch.Tensor:
     return torch.cat([half, half + new // 2])
 
 
-def _widen_rows(weight: torch.Tensor, heads: int, old: int, new: int, rotary: bool, scale: float) -> torch.Tensor:
+def _widen_rows(weight: torch.Tensor, heads: int, old: int, new: int, rotary: bool) -> torch.Tensor:
     """``weight`` ([heads*old, ...] or a bias [heads*old]) laid out for heads of width ``new``, the rest zero."""
     rest = weight.shape[1:]
     per_head = weight.reshape(heads, old, *rest)
     wide = torch.zeros(heads, new, *rest, dtype=weight.dtype)
-    wide[:, _head_rows(old, new, rotary)] = per_head * scale
+    wide[:, _head_rows(old, new, rotary)] = per_head
     return wide.reshape(heads * new, *rest)
 
 
@@ -75,17 +92,16 @@ def widened_state_dict(
     """The tensors of a Qwen2 state dict with every attention head widened from ``old`` to ``new`` dimensions."""
     if new % old or new < old or old % 2:
         raise ValueError(f"the new head width must be a multiple of the old one (even): {old} -> {new}")
-    q_scale = math.sqrt(new / old)
     out = {}
     for name, tensor in state.items():
         if ".self_attn.q_proj." in name:
-            out[name] = _widen_rows(tensor, num_heads, old, new, rotary=True, scale=q_scale)
+            out[name] = _widen_rows(tensor, num_heads, old, new, rotary=True)
         elif ".self_attn.k_proj." in name:
-            out[name] = _widen_rows(tensor, num_kv_heads, old, new, rotary=True, scale=1.0)
+            out[name] = _widen_rows(tensor, num_kv_heads, old, new, rotary=True)
         elif ".self_attn.v_proj." in name:
-            out[name] = _widen_rows(tensor, num_kv_heads, old, new, rotary=False, scale=1.0)
+            out[name] = _widen_rows(tensor, num_kv_heads, old, new, rotary=False)
         elif ".self_attn.o_proj.weight" in name:
-            out[name] = _widen_rows(tensor.t(), num_heads, old, new, rotary=False, scale=1.0).t().contiguous()
+            out[name] = _widen_rows(tensor.t(), num_heads, old, new, rotary=False).t().contiguous()
             bias = name.replace(".weight", ".bias")
             if bias not in state:
                 out[bias] = torch.zeros(tensor.shape[0], dtype=tensor.dtype)
@@ -95,8 +111,8 @@ def widened_state_dict(
 
 
 def widen_heads(source: Path, output: Path, *, head_dim: int = 32) -> Path:
-    """Write ``output``: ``source`` (a Qwen2 folder) as a Llama with attention heads ``head_dim`` wide, the same
-    function.
+    """Write ``output``: ``source`` (a Qwen2 folder) as a Granite with attention heads ``head_dim`` wide, the same
+    function and parameters.
 
     Returns ``output``. Raises ``ValueError`` for another architecture, a width that is not a multiple of the
     current one, or a width vLLM's CPU attention does not take.
@@ -117,13 +133,26 @@ def widen_heads(source: Path, output: Path, *, head_dim: int = 32) -> Path:
     save_file(wide, output / "model.safetensors", metadata={"format": "pt"})
     for key in _QWEN2_ONLY:
         config.pop(key, None)
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=head_dim, attention_bias=True,
-                  mlp_bias=False)  # fmt: skip
+    config.update(architectures=["GraniteForCausalLM"], model_type="granite", head_dim=head_dim, attention_bias=True,
+                  mlp_bias=False, attention_multiplier=old**-0.5, embedding_multiplier=1.0, residual_multiplier=1.0,
+                  logits_scaling=1.0)  # fmt: skip
+    config[WIDENED_FROM_KEY] = "qwen2"
     (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in _COPIED:
         if (source / name).exists():
             shutil.copy2(source / name, output / name)
     return output
+
+
+def widened_from(folder: Path) -> str | None:
+    """The model_type of the policy ``folder`` was widened from (:data:`WIDENED_FROM_KEY`), ``None`` for a policy
+    that is not a widened copy or a folder without a readable config."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get(WIDENED_FROM_KEY) if isinstance(config, dict) else None
+    return value if isinstance(value, str) else None
 
 
 @torch.no_grad()

@@ -248,3 +248,21 @@ def test_the_loop_swaps_in_the_lenient_parser_only_for_hermes_and_when_enabled(t
     assert isinstance(make_loop(tokenizer, tools).tool_parser, LenientHermesToolParser)
     strict = make_loop(tokenizer, tools, lenient_tool_call_parsing=False).tool_parser
     assert type(strict) is HermesToolParser
+
+
+def test_the_token_builder_follows_the_chat_family_setting_over_the_model_type(tokenizer, tools, monkeypatch):
+    """verl picks the builder that joins turns and tool responses by the model's exact model_type; a converted
+    checkpoint (the widened deal policy is a Granite with a Qwen2 chat template) names the family by the setting."""
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    from nemo_gym_browser.testing import agent_loop_harness
+
+    def builder_class(model_type: str) -> type:
+        return type(create_continuous_token_builder(tokenizer, hf_model_type=model_type))
+
+    assert builder_class("granite") is not builder_class("qwen2")  # what the setting is for
+    monkeypatch.setattr(agent_loop_harness, "HF_MODEL_TYPE", "granite")
+    assert type(make_loop(tokenizer, tools).continuous_token_builder) is builder_class("granite")
+    named = make_loop(tokenizer, tools, token_builder_model_type="qwen2")
+    assert type(named.continuous_token_builder) is builder_class("qwen2")
+    assert named.settings.token_builder_model_type == "qwen2"

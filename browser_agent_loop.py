@@ -69,7 +69,6 @@ import asyncio
 import contextvars
 import logging
 import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,7 +78,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.utils.profiler import simple_timer
 
-from . import dropped_rollouts, trajectories
+from . import dropped_rollouts, session_ids, trajectories
 from .browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of, parse_tool_call
 from .environment import EnvironmentClient, EnvironmentFailure, FailureKind, parse_observation
 from .episode import BrowserEpisode, EpisodeSpec
@@ -241,7 +240,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         under_v1 = running_under_v1_trainer(kwargs)
         if self.settings.stepwise.enabled and not under_v1:
             raise RuntimeError(LEGACY_STEPWISE_MESSAGE)
-        rollout = _Rollout(rollout_id=f"r{kwargs.get('index', 'x')}-{uuid.uuid4().hex[:16]}")
+        rollout = _Rollout(rollout_id=session_ids.rollout_id(kwargs.get("index")))
         await self._run_attempts(sampling_params, kwargs, spec, rollout)
         if rollout.outcome.failure is not None and drop_invalid_enabled(self.settings.drop_invalid):
             if under_v1:

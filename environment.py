@@ -53,6 +53,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import session_ids
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
 from .rows import validate_verifier_metadata as validate_verifier_metadata
@@ -319,7 +320,7 @@ class EnvironmentClient:
     ) -> AsyncIterator[BrowserSession]:
         """Seed a browser session, yield it, and close it whatever happens."""
         metadata = validate_verifier_metadata(verifier_metadata)  # before a slot is taken: a bad row holds none
-        session_id = f"{rollout_id}.{attempt}.{next(self._counter)}"
+        session_id = session_ids.session_id(rollout_id, attempt, next(self._counter))
         server, grant = await self._acquire_server(
             SessionTicket(session_id=session_id, rollout_id=rollout_id, attempt=attempt)
         )

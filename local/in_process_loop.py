@@ -7,8 +7,8 @@ What it gives tests and benchmarks
     * :func:`build_loop`: the agent loop instantiated from ``configs/agent_loop.yaml`` by ``hydra.utils.instantiate``
       with exactly the keyword arguments ``AgentLoopWorker._run_agent_loop`` passes (one loop per sample, as verl).
     * :func:`make_row`: one dataset sample in the shape ``dataset.py`` produces.
-    * :func:`save_test_model`: a model folder (tokenizer + tiny config) for verl's ``HFModelConfig``, so a real
-      ``AgentLoopWorker`` can be built too.
+    * :func:`save_tokenizer_and_config`: a model folder (tokenizer + tiny config) for verl's ``HFModelConfig``, so a
+      real ``AgentLoopWorker`` can be built too.
 
 Nothing here talks to the network except the environment server URLs the caller passes.
 """
@@ -32,7 +32,7 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 from verl.tools.tool_registry import initialize_tools_from_config
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from .tokenizer import save_test_model
+from .chat_tokenizer import save_tokenizer_and_config
 
 __all__ = [
     "AGENT_LOOP_YAML",
@@ -44,7 +44,7 @@ __all__ = [
     "compose_trainer_config",
     "load_tools",
     "make_row",
-    "save_test_model",
+    "save_tokenizer_and_config",
 ]
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ SINGLE_TOOL_YAML = CONFIG_DIR / "browser_tool.yaml"
 NATIVE_TOOLS_YAML = CONFIG_DIR / "browser_native_tools.yaml"
 VERL_CONFIG_DIR = Path(verl.__file__).resolve().parent / "trainer" / "config"
 EPISODE_TOOLS = ("browser", "browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish")
-# The model family verl's Continuous-Token builder keys on: the test tokenizer speaks Qwen's ChatML.
+# The model family verl's Continuous-Token builder keys on: the chat tokenizer speaks Qwen's ChatML.
 HF_MODEL_TYPE = "qwen2"
 
 SYSTEM_PROMPT = "You are a web agent. Use the browser to solve the task, then finish with your answer."
@@ -155,4 +155,4 @@ def make_row(
 
 
 # Re-exported so a caller needs one import for a model folder too.
-save_test_model = save_test_model
+save_tokenizer_and_config = save_tokenizer_and_config

@@ -1,9 +1,9 @@
 """How well a tiny policy does: its success on task samples through the recipe's real loop, against the fake server.
 
 :func:`evaluate` serves the policy folder with an in-process ``hfcpu`` rollout server (:class:`PolicyServer`) and
-plays every sample through ``BrowserToolAgentLoop`` against the fake environment server, per split and temperature;
-it also counts the turns that are one well-formed ``browser`` call (:func:`is_tool_call`). The fake server and the
-loop's shared HTTP clients are closed when it ends, however it ends.
+plays every sample through ``BrowserToolAgentLoop`` against the in-process environment server, per split and
+temperature; it also counts the turns that are one well-formed ``browser`` call (:func:`is_tool_call`). The
+environment server and the loop's shared HTTP clients are closed when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ async def evaluate(
     Sampled episodes (``temperature > 0``) run ``episodes_per_task`` times per task; greedy ones once.
     """
     from ..browser_agent_loop import close_shared_clients
-    from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from ..testing.fake_environment import FakeEnvironmentServer
+    from .environment_server.server import InProcessEnvironmentServer
+    from .in_process_loop import build_loop, compose_trainer_config, load_tools
 
     records = shop_tasks.records_by_id()
     config = compose_trainer_config(
@@ -122,7 +122,7 @@ async def evaluate(
     policy = PolicyServer(model_dir, seed=seed)
     results = []
     try:
-        async with FakeEnvironmentServer(site=shop_tasks.fake_site()) as server:
+        async with InProcessEnvironmentServer(site=shop_tasks.fake_site()) as server:
             for temperature in temperatures:
                 sampling = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "max_tokens": max_turn_tokens}
                 for split, split_samples in samples.items():

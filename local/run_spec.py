@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..wiring import ESTIMATOR_NAME
-from .injected_faults import FaultSpec
+from .faults.injected import FaultSpec
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = RECIPE_DIR / "configs"

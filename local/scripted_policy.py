@@ -29,7 +29,7 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from .tokenizer import IM_END, IM_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
+from .chat_tokenizer import IM_END, IM_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
 # One element line of a NeMo Gym observation: "  [12] a: About us".
 _ELEMENT_LINE = re.compile(r"^\s*\[(\d+)\]\s*([^:]*):\s*(.*)$")
@@ -207,7 +207,7 @@ class ScriptedPolicy:
     """A fake verl server manager that plays scripts.
 
     Args:
-        tokenizer: the tokenizer the agent loop uses (the one from :mod:`nemo_gym_browser.testing.tokenizer`).
+        tokenizer: the tokenizer the agent loop uses (the one from :mod:`nemo_gym_browser.local.chat_tokenizer`).
         script: one script for every conversation, or a mapping from a substring of the task text to a script
             (the first key found in the task wins; the key ``"*"`` is the fallback).
         think_time_s: seconds to wait before answering, or a function of the view giving them (or giving an

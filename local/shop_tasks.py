@@ -6,10 +6,10 @@ What this module owns
       ``examples/shop_tasks_train.jsonl`` and ``examples/shop_tasks_heldback.jsonl`` (:func:`task_records`).
       ``python -m nemo_gym_browser.local.shop_tasks --write`` regenerates them; ``--check`` fails when a committed
       file differs from what the catalogue renders.
-    * The same pages for the fake environment server (:func:`fake_site`): a
-      :class:`~nemo_gym_browser.testing.fake_site.Site` whose observations equal the real server's for every page
-      (checked against Chromium by the integration tier), including the search results page that the real site
-      builds with a script.
+    * The same pages for the in-process environment server (:func:`fake_site`): a
+      :class:`~nemo_gym_browser.local.environment_server.site_model.Site` whose observations equal the real
+      server's for every page (checked against Chromium by the integration tier), including the search results
+      page that the real site builds with a script.
     * Serving the real pages (:func:`serve`): :class:`~.local_site.LocalSite` on :data:`SHOP_PORT`, the fixed
       loopback port the task files name.
 
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from ..testing.fake_site import Page, PageState, Site, button, link, text_input
+from .environment_server.site_model import Page, PageState, Site, button, link, text_input
 from .local_site import SITE_DIR, LocalSite
 
 logger = logging.getLogger(__name__)
@@ -374,7 +374,7 @@ class ShopSite(Site):
 
 
 def fake_site(origin: str = SHOP_ORIGIN, *, base: Site | None = None, order_seed: int | str | None = None) -> ShopSite:
-    """The shop at ``origin`` for :class:`~.fake_environment.FakeEnvironmentServer`, over ``base``'s pages
+    """The shop at ``origin`` for :class:`~.fake_environment.InProcessEnvironmentServer`, over ``base``'s pages
     (default: the real server's bundled ``site/``, so the server's own example episode still works).
 
     ``order_seed``: list the sections on the home page and the items on each section page in a shuffled order

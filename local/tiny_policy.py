@@ -175,7 +175,7 @@ what build writes to --output:
   demonstrations, tokens per episode, timings and the loss of every step.
 
 what evaluate does:
-  runs every task of both files through the recipe's real agent loop against the fake environment server, the
+  runs every task of both files through the recipe's real agent loop against the in-process environment server, the
   model served by the hfcpu rollout server in-process; sampled (--temperature, default 1 and 0 = greedy), and
   prints the success rate per split and kind, the share of turns that were one well-formed tool call, and tokens
   per episode.

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..task_rows import DATA_SOURCE
-from .injected_faults import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
+from .faults.injected import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
 from .main_ppo_process import read_step_metrics, run_main_ppo
 from .run_spec import (
     CPU_ROLLOUT,
@@ -105,9 +105,9 @@ def shop_environment(kind: str = "real") -> Iterator[str]:
     from . import shop_tasks
 
     if kind == "fake":
-        from ..testing.fake_environment import FakeEnvironmentServer
+        from .environment_server.server import InProcessEnvironmentServer
 
-        with FakeEnvironmentServer(site=shop_tasks.fake_site()).run_in_thread() as fake:
+        with InProcessEnvironmentServer(site=shop_tasks.fake_site()).run_in_thread() as fake:
             yield fake.url
     elif kind == "real":
         from ..launch_environment import LocalEnvironment

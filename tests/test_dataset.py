@@ -27,7 +27,7 @@ from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser import task_rows
 from nemo_gym_browser.dataset import AGENT_NAME, EPISODE_TOOLS, BrowserJSONLDataset, RowError
 from nemo_gym_browser.environment import TOOL_NAMES
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 from nemo_gym_browser.testing.webvoyager import webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_a_checkpointed_dataloader_resumes_with_the_next_batch(prepared):
 
 
 def test_the_prompt_renders_with_a_chat_template_and_the_browser_tool(prepared):
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     dataset = BrowserJSONLDataset([str(prepared / "val.jsonl")])
     schema = task_rows.BROWSER_TOOL_SCHEMAS[0]
     tools = [{"type": "function", "function": {key: schema[key] for key in ("name", "description", "parameters")}}]

@@ -1,5 +1,5 @@
 """The Corner Shop task suite: its files, its preparation like any WebVoyager list, and every task solved (and
-failed) by the scripted policy through the recipe's real agent loop against the fake environment server.
+failed) by the scripted policy through the recipe's real agent loop against the in-process environment server.
 
 The fake's shop is compared with Chromium's rendering of the real pages in ``test_shop_tasks_integration.py``.
 """
@@ -16,12 +16,12 @@ from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.dataset import BrowserJSONLDataset
 from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient
+from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local import shop_scripts
 from nemo_gym_browser.local import shop_tasks as st
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.in_process_loop import build_loop
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 FAST_ENV = {"call_timeout_s": 5.0, "seed_timeout_s": 5.0, "verify_timeout_s": 5.0, "close_timeout_s": 5.0}
 
@@ -108,7 +108,7 @@ async def test_every_task_is_solved_by_the_scripted_policy_through_the_loop_and_
     assert len(samples) == 24
     rewards: dict[bool, list[float]] = {False: [], True: []}
     try:
-        async with FakeEnvironmentServer(site=st.fake_site()) as server:
+        async with InProcessEnvironmentServer(site=st.fake_site()) as server:
             for sample in samples:
                 record = records[sample["extra_info"]["task_id"]]
                 for wrong in (False, True):
@@ -135,7 +135,7 @@ async def test_the_fake_search_page_finds_an_item_by_its_name_in_any_case_and_re
             assert (await session.type(box, text)).error is None
             return (await session.click(submit)).observation
 
-    async with FakeEnvironmentServer(site=st.fake_site()) as server:
+    async with InProcessEnvironmentServer(site=st.fake_site()) as server:
         async with EnvironmentClient(EnvironmentConfig(server_urls=(server.url,), **FAST_ENV)) as client:
             found = await search(client, "MaNgO")
             missing = await search(client, "a kite & a yoyo")
@@ -215,7 +215,7 @@ async def test_a_deal_is_answered_by_reading_the_board_or_from_memory_without_to
     records = st.records_by_id()
     rewards = []
     try:
-        async with FakeEnvironmentServer(site=st.fake_site()) as server:
+        async with InProcessEnvironmentServer(site=st.fake_site()) as server:
             for i in range(len(rows)):
                 sample = dataset[i]
                 record = records[sample["extra_info"]["task_id"]]

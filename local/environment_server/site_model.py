@@ -1,11 +1,11 @@
-"""The pages the fake environment server's browsers load, and how a page renders as an observation.
+"""The pages the in-process environment server's browsers load, and how a page renders as an observation.
 
 Owns the site model (a :class:`Site` maps URLs to :class:`Page` values and their :class:`Element` values;
 :meth:`Site.bundled` is the real server's own ``site/`` folder) and the fake browser (:class:`Browser`): navigation,
 element ids bound by the latest observation, clicks, typing, the ``browser_finish`` snapshot, and every browser
 error with the text Playwright 1.62 and Chromium give it. :meth:`Observation.render` is the real server's
 observation format at its caps (elements listed up to ``max_elements``, names cut at 80 characters, body text folded
-and cut at 2000); the contract it belongs to is stated in :mod:`~nemo_gym_browser.testing.fake_environment`.
+and cut at 2000); the contract it belongs to is stated in :mod:`~nemo_gym_browser.local.environment_server.server`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
-from .faults import goto_call_log
+from ..faults.kinds import goto_call_log
 
 __all__ = [
     "BUNDLED_INITIAL_URL",

@@ -79,7 +79,8 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, 
 from verl.utils.profiler import simple_timer
 
 from . import dropped_rollouts, session_ids, trajectories
-from .browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of, parse_tool_call
+from .browser_calls import BROWSER_FINISH, parse_tool_call
+from .browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of
 from .environment import EnvironmentClient, EnvironmentFailure, FailureKind, parse_observation
 from .episode import BrowserEpisode, EpisodeSpec
 from .episode_metrics import reward_extra_info
@@ -96,6 +97,7 @@ from .stepwise import (
 )
 from .tool_parser import LenientHermesToolParser
 from .url_safety import UrlGuard, url_scheme
+from .wiring import ESTIMATOR_NAME
 
 __all__ = ["AGENT_LOOP_NAME", "BrowserTool", "BrowserToolAgentLoop", "close_shared_clients", "running_under_v1_trainer"]
 
@@ -631,7 +633,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if not isinstance(tools.get(call.name), BrowserTool):
                 continue
             parsed = parse_tool_call(call.name, call.arguments)
-            if isinstance(parsed, tuple) and parsed[0] == "browser_finish":
+            if isinstance(parsed, tuple) and parsed[0] == BROWSER_FINISH:
                 logger.info("%s: finish in the last allowed turn, run after verl's turn limit", episode.label)
                 await episode.act(call.name, call.arguments)
 
@@ -663,8 +665,8 @@ def _warn_legacy_drop() -> None:
         "legacy-drop",
         "The drop switch (%s=1 or drop_invalid: true) has no effect under the legacy trainer "
         "(trainer.use_v1=false): it needs exactly one sample per prompt, so invalid rollouts are kept, flagged "
-        "env_invalid, loss-masked and excluded from the GRPO baseline by grpo_env_aware. Use the V1 trainer to "
-        "drop them.",
+        "env_invalid, loss-masked and excluded from the GRPO baseline by %s. Use the V1 trainer to drop them.",
         DROP_INVALID_ENV,
+        ESTIMATOR_NAME,
         level=logging.ERROR,
     )

@@ -54,6 +54,14 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import session_ids
+from .browser_calls import (
+    BROWSER_CLICK,
+    BROWSER_FINISH,
+    BROWSER_NAVIGATE,
+    BROWSER_OBSERVE,
+    BROWSER_TYPE,
+    TOOL_NAMES,
+)
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
 from .rows import validate_verifier_metadata as validate_verifier_metadata
@@ -70,9 +78,8 @@ from .text import shorten
 
 logger = logging.getLogger(__name__)
 
-TOOL_NAMES = ("browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish")
 # Calls that are safe to repeat after a transport error (see the module docstring for why).
-IDEMPOTENT_TOOLS = frozenset({"browser_observe", "browser_navigate", "browser_finish"})
+IDEMPOTENT_TOOLS = frozenset({BROWSER_OBSERVE, BROWSER_NAVIGATE, BROWSER_FINISH})
 
 # What verify's failure_reason says when the session is gone (anything else there: verify could not grade).
 _VERIFY_SESSION_NOT_FOUND = "browser session not found at verify"
@@ -545,7 +552,7 @@ class BrowserSession:
             connector=self._client._pool(), connector_owner=False, cookie_jar=self._jar
         ) as http:
             timeout = aiohttp.ClientTimeout(total=self._config.close_timeout_s)
-            async with http.post(f"{self._server.url}/browser_observe", json={}, timeout=timeout) as response:
+            async with http.post(f"{self._server.url}/{BROWSER_OBSERVE}", json={}, timeout=timeout) as response:
                 payload = await response.json(content_type=None)
         return isinstance(payload, dict) and payload.get("error") == NO_SESSION_ERROR
 
@@ -578,19 +585,19 @@ class BrowserSession:
         return ToolResult(observation=answer.observation, done=answer.done, error=answer.error)
 
     async def observe(self) -> ToolResult:
-        return await self.call("browser_observe", {})
+        return await self.call(BROWSER_OBSERVE, {})
 
     async def navigate(self, url: str) -> ToolResult:
-        return await self.call("browser_navigate", {"url": url})
+        return await self.call(BROWSER_NAVIGATE, {"url": url})
 
     async def click(self, element_id: int) -> ToolResult:
-        return await self.call("browser_click", {"element_id": element_id})
+        return await self.call(BROWSER_CLICK, {"element_id": element_id})
 
     async def type(self, element_id: int, text: str) -> ToolResult:
-        return await self.call("browser_type", {"element_id": element_id, "text": text})
+        return await self.call(BROWSER_TYPE, {"element_id": element_id, "text": text})
 
     async def finish(self, answer: str) -> ToolResult:
-        return await self.call("browser_finish", {"answer": answer})
+        return await self.call(BROWSER_FINISH, {"answer": answer})
 
     async def verify(self) -> VerifyResult:
         """Grade the episode against the seed-time ``verifier_metadata``. The server releases the browser.

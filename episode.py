@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import trajectories
-from .browser_tool import NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, parse_tool_call, render_result
+from .browser_calls import BROWSER_FINISH, BROWSER_NAVIGATE, NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, parse_tool_call
 from .environment import BrowserSession, EnvironmentFailure, FailureKind, ToolResult, parse_observation
 from .settings import plain_config
 from .url_safety import UrlGuard, UrlRefused
@@ -47,6 +47,15 @@ logger = logging.getLogger(__name__)
 DEADLINE_MESSAGE = "The time limit of this episode has been reached; no further browser actions are possible."
 FINISHED_MESSAGE = "The task is already finished; no further browser actions are possible."
 ABANDONED_MESSAGE = "The browser environment failed; this attempt is abandoned."
+
+
+def render_result(result: ToolResult) -> str:
+    """The text the model reads for one browser answer."""
+    if result.error:
+        return f"Error: {result.error}" + (f"\n{result.observation}" if result.observation else "")
+    if result.done:
+        return result.observation or "Finished: your answer was recorded."
+    return result.observation or "(the browser returned no observation)"
 
 
 @dataclass(frozen=True)
@@ -196,7 +205,7 @@ class BrowserEpisode:
         if self.hold_remaining() <= 0:
             self.fail(self.held_too_long(tool))
             return ABANDONED_MESSAGE
-        if tool == "browser_navigate" and isinstance(arguments.get("url"), str):
+        if tool == BROWSER_NAVIGATE and isinstance(arguments.get("url"), str):
             try:
                 await self.guard.check(arguments["url"])
             except UrlRefused as refusal:
@@ -204,7 +213,7 @@ class BrowserEpisode:
                 self.steps.append(f"navigate({arguments['url'][:80]!r}) -> refused")
                 return f"Error: navigation refused: {refusal}"
         self.tool_calls += 1
-        self.browser_actions += tool != "browser_finish"
+        self.browser_actions += tool != BROWSER_FINISH
         try:
             result = await self._bounded_call(tool, arguments)
         except EnvironmentFailure as failure:

@@ -32,6 +32,8 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 from verl.tools.tool_registry import initialize_tools_from_config
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
+from ..browser_tool import AGENT_LOOP_NAME
+from ..dataset import DEFAULT_DATA_SOURCE, EPISODE_TOOLS
 from .chat_tokenizer import save_tokenizer_and_config
 
 __all__ = [
@@ -53,7 +55,6 @@ AGENT_LOOP_YAML = CONFIG_DIR / "agent_loop.yaml"
 SINGLE_TOOL_YAML = CONFIG_DIR / "browser_tool.yaml"
 NATIVE_TOOLS_YAML = CONFIG_DIR / "browser_native_tools.yaml"
 VERL_CONFIG_DIR = Path(verl.__file__).resolve().parent / "trainer" / "config"
-EPISODE_TOOLS = ("browser", "browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish")
 # The model family verl's Continuous-Token builder keys on: the chat tokenizer speaks Qwen's ChatML.
 HF_MODEL_TYPE = "qwen2"
 
@@ -95,12 +96,12 @@ def load_tools(*, native: bool = False, path: str | os.PathLike[str] | None = No
 
 
 def agent_loop_entry(**settings: Any) -> DictConfig:
-    """The ``nemo_gym_browser_agent`` entry of ``configs/agent_loop.yaml`` with ``settings`` merged over it.
+    """The agent loop's entry (``AGENT_LOOP_NAME``) of ``configs/agent_loop.yaml`` with ``settings`` merged over it.
 
     Nested mappings merge key by key (``environment={"server_urls": [...]}`` keeps the other environment keys).
     """
     entries = OmegaConf.load(AGENT_LOOP_YAML)
-    entry = next(e for e in entries if e.name == "nemo_gym_browser_agent")
+    entry = next(e for e in entries if e.name == AGENT_LOOP_NAME)
     return OmegaConf.merge(entry, OmegaConf.create(dict(settings)))
 
 
@@ -147,9 +148,9 @@ def make_row(
     return {
         "raw_prompt": [{"role": "system", "content": system_prompt}, {"role": "user", "content": task}],
         "tools_kwargs": {tool: {"create_kwargs": copy.deepcopy(episode)} for tool in EPISODE_TOOLS},
-        "agent_name": "nemo_gym_browser_agent",
+        "agent_name": AGENT_LOOP_NAME,
         "index": index,
-        "data_source": "nemo_gym",
+        "data_source": DEFAULT_DATA_SOURCE,
         "extra_info": {"index": index, "task_id": task_id},
     }
 

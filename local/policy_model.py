@@ -44,7 +44,7 @@ def corpus_lines() -> list[str]:
     lines = SYSTEM_PROMPT_BROWSER.splitlines()
     for record in shop_tasks.records_by_id().values():
         lines.append(USER_PROMPT.format(question=record["ques"], site=record["web_name"], url=record["web"]))
-    site = shop_tasks.fake_site()
+    site = shop_tasks.in_process_site()
     for url in site.urls:
         page = site.page(url)
         lines += [f"URL: {url}", f"TITLE: {page.title}", "ELEMENTS:"]

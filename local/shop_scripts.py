@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..browser_calls import SINGLE_TOOL_NAME
 from . import scripted_policy as sp
 from .shop_tasks import CATEGORIES, HELD_BACK_ITEMS, SALE_MARK, SEARCH_LABEL, deal_names, items
 
@@ -33,7 +34,7 @@ def call(action: str, **arguments: Any) -> str:
     the answer), so that what a demonstration copies from the context is the very token it finds there: the id
     ``3`` of ``[3] a: Mango``, the word ``mango`` of ``for "mango"``, the ``" 4"`` of ``Mango: 4 coins.``.
     """
-    return sp.tool_call("browser", json.dumps({"action": action, **arguments}, separators=(",", ":")))
+    return sp.tool_call(SINGLE_TOOL_NAME, json.dumps({"action": action, **arguments}, separators=(",", ":")))
 
 
 def elements(observation: str | None) -> list[tuple[int, str, str]]:

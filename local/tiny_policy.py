@@ -191,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nemo_gym_browser.local.tiny_policy",
         description="A tiny Qwen2 policy for the Corner Shop tasks. build: make the model and warm-start it on CPU "
-        "on demonstrations the scripted policy plays through the recipe's real agent loop against the fake "
+        "on demonstrations the scripted policy plays through the recipe's real agent loop against the in-process "
         "environment server (loss on exactly the tokens the loop marked as the model's). evaluate: measure its "
         "success through the same loop.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

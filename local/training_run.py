@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..task_rows import DATA_SOURCE
+from ..wiring import INVALID_FRACTION_METRIC
 from .faults.injected import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
 from .main_ppo_process import read_step_metrics, run_main_ppo
 from .run_spec import (
@@ -48,7 +49,7 @@ SUMMARY_COLUMNS = (
     (SYNC_CHECK_KEY, "probs diff", "{:10.1e}"),
     ("env/invalid_rate", "invalid", "{:7.3f}"),
     ("env/resampled_rate", "resampled", "{:9.3f}"),
-    ("grpo_env_aware/invalid_fraction", "flagged", "{:7.3f}"),
+    (INVALID_FRACTION_METRIC, "flagged", "{:7.3f}"),
     (f"val-core/{DATA_SOURCE}/reward/mean@1", "held-back success", "{:17.3f}"),
 )
 
@@ -107,7 +108,7 @@ def shop_environment(kind: str = "real") -> Iterator[str]:
     if kind == "fake":
         from .environment_server.server import InProcessEnvironmentServer
 
-        with InProcessEnvironmentServer(site=shop_tasks.fake_site()).run_in_thread() as fake:
+        with InProcessEnvironmentServer(site=shop_tasks.in_process_site()).run_in_thread() as fake:
             yield fake.url
     elif kind == "real":
         from ..launch_environment import LocalEnvironment

@@ -9,7 +9,7 @@ right format and order, on copies of the shop whose links are listed in a shuffl
 task names with probability ``correct`` (:class:`WarmStartSpec`), so which element to pick is left for RL to learn.
 
 Deterministic for a seed and a thread count: the same seed gives the same demonstrations and the same trained
-weights. The fake server and the loop's shared HTTP clients are closed when collecting ends, however it ends.
+weights. The environment server and the loop's shared HTTP clients are closed when collecting ends, however it ends.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ async def collect_demonstrations(
     try:
         for repeat in range(per_task):
             # Each round plays every task on its own shuffled copy of the shop.
-            site = shop_tasks.fake_site(order_seed=f"{seed}:{repeat}" if shuffle else None)
+            site = shop_tasks.in_process_site(order_seed=f"{seed}:{repeat}" if shuffle else None)
             async with InProcessEnvironmentServer(site=site) as server:
                 for sample in samples:
                     task_id = sample["extra_info"]["task_id"]
@@ -120,7 +120,7 @@ async def collect_demonstrations(
                     output = await loop.run({}, **sample)
                     if output.extra_fields.get("env_invalid"):
                         failure = output.extra_fields.get("env_failure_reason")
-                        raise RuntimeError(f"the fake server failed a demonstration of {task_id}: {failure}")
+                        raise RuntimeError(f"the environment server failed a demonstration of {task_id}: {failure}")
                     demonstrations.append(
                         Demonstration(
                             task_id=task_id,

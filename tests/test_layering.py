@@ -34,6 +34,9 @@ def references_to_testing(path: Path, root: Path = ROOT) -> Iterator[str]:
     parts = path.relative_to(root).with_suffix("").parts
     package = [PACKAGE, *parts[:-1]]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and TESTING in node.value:
+            yield f"{path.relative_to(root)}:{node.lineno} a string naming {TESTING}"
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -41,12 +44,9 @@ def references_to_testing(path: Path, root: Path = ROOT) -> Iterator[str]:
             base = package[: len(package) - (node.level - 1)] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
             names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and TESTING in node.value:
-            names = [node.value]
-        for name in names:
-            if name == TESTING or name.startswith(TESTING + ".") or (isinstance(node, ast.Constant) and TESTING in name):
-                yield f"{path.relative_to(root)}:{node.lineno} {name}"
-                break
+        found = next((name for name in names if name == TESTING or name.startswith(TESTING + ".")), None)
+        if found:
+            yield f"{path.relative_to(root)}:{node.lineno} {found}"
 
 
 def test_no_module_outside_tests_bench_and_testing_imports_testing() -> None:

@@ -57,7 +57,7 @@ async def tour(server_url: str) -> list[str]:
 
 
 async def test_the_fake_shop_shows_every_page_as_chromium_renders_the_real_one(real_environment, shop_site):
-    async with InProcessEnvironmentServer(site=st.fake_site()) as fake:
+    async with InProcessEnvironmentServer(site=st.in_process_site()) as fake:
         expected = await tour(fake.url)
     actual = await tour(real_environment.url)
     assert len(actual) == 1 + len(st.CATEGORIES) + len(st.items()) + 1
@@ -110,7 +110,7 @@ async def boards(server_url: str) -> list[str]:
 async def test_the_deal_boards_render_as_in_chromium_and_a_deal_is_read_or_guessed_on_the_real_server(
     real_environment, shop_site, tokenizer, tools, trainer_config, tmp_path
 ):
-    async with InProcessEnvironmentServer(site=st.fake_site()) as fake:
+    async with InProcessEnvironmentServer(site=st.in_process_site()) as fake:
         expected = await boards(fake.url)
     actual = await boards(real_environment.url)
     assert actual == expected and len(actual) == 13

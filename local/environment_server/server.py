@@ -1,6 +1,6 @@
-"""In-process fake of NeMo Gym 0.7.0's ``interactive_browser`` resources server, with faults on demand.
+"""An in-process model of NeMo Gym 0.7.0's ``interactive_browser`` resources server, with faults on demand.
 
-The fake speaks the wire contract of the real server (``resources_servers/interactive_browser/app.py`` on top of
+The server speaks the wire contract of the real server (``resources_servers/interactive_browser/app.py`` on top of
 ``nemo_gym``'s FastAPI resources server) as far as a client can observe it, and replaces the browser with a small
 in-memory site model. Facts it keeps, each read off the 0.7.0 source or measured against it:
 
@@ -88,6 +88,14 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
+from ...browser_calls import (
+    BROWSER_CLICK,
+    BROWSER_FINISH,
+    BROWSER_NAVIGATE,
+    BROWSER_OBSERVE,
+    BROWSER_TYPE,
+    NATIVE_TOOL_ACTIONS,
+)
 from ..background_loop import BackgroundLoop
 from ..faults.kinds import Fault, Rule, SeenRequest, canned_answer, drop_connection, hold, with_reward
 from ..loopback import LoopbackServer
@@ -114,7 +122,7 @@ from .wire import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FaultRule", "InProcessEnvironmentServer", "ThreadedFakeEnvironment"]
+__all__ = ["FaultRule", "InProcessEnvironmentServer", "ThreadedEnvironmentServer"]
 
 # uvicorn's keep-alive as nemo_gym configures it: clients must keep theirs below it.
 _SERVER_KEEPALIVE_S = 30.0
@@ -132,11 +140,7 @@ _ENDPOINTS: Mapping[str, str] = {
     "seed_session": "seed",
     "close_session": "close",
     "verify": "verify",
-    "browser_observe": "observe",
-    "browser_navigate": "navigate",
-    "browser_click": "click",
-    "browser_type": "type",
-    "browser_finish": "finish",
+    **NATIVE_TOOL_ACTIONS,
 }
 
 _Model = TypeVar("_Model")
@@ -144,7 +148,7 @@ _Model = TypeVar("_Model")
 
 @dataclass
 class _Call:
-    """One request as the fake sees it: endpoint, raw body, and the cookie session (mutated by handlers)."""
+    """One request as the server sees it: endpoint, raw body, and the cookie session (mutated by handlers)."""
 
     endpoint: str
     raw: bytes
@@ -235,11 +239,11 @@ class InProcessEnvironmentServer(LoopbackServer):
             "seed_session": self._seed_session,
             "close_session": self._close_session,
             "verify": self._verify,
-            "browser_observe": self._browser_observe,
-            "browser_navigate": self._browser_navigate,
-            "browser_click": self._browser_click,
-            "browser_type": self._browser_type,
-            "browser_finish": self._browser_finish,
+            BROWSER_OBSERVE: self._browser_observe,
+            BROWSER_NAVIGATE: self._browser_navigate,
+            BROWSER_CLICK: self._browser_click,
+            BROWSER_TYPE: self._browser_type,
+            BROWSER_FINISH: self._browser_finish,
         }
 
     # ----- lifetime -------------------------------------------------------------------------------------------
@@ -276,9 +280,9 @@ class InProcessEnvironmentServer(LoopbackServer):
         finally:
             await self.start()
 
-    def run_in_thread(self) -> ThreadedFakeEnvironment:
+    def run_in_thread(self) -> ThreadedEnvironmentServer:
         """Run this server on its own event loop in a daemon thread, for synchronous code."""
-        return ThreadedFakeEnvironment(self)
+        return ThreadedEnvironmentServer(self)
 
     # ----- inspection -----------------------------------------------------------------------------------------
 
@@ -572,7 +576,7 @@ class InProcessEnvironmentServer(LoopbackServer):
 _T = TypeVar("_T")
 
 
-class ThreadedFakeEnvironment:
+class ThreadedEnvironmentServer:
     """A :class:`InProcessEnvironmentServer` on its own event loop in a daemon thread, for synchronous callers.
 
     ``with InProcessEnvironmentServer().run_in_thread() as env: ...`` then talk to ``env.url``. ``inject`` and the
@@ -590,7 +594,7 @@ class ThreadedFakeEnvironment:
     def url(self) -> str:
         return self.server.url
 
-    def __enter__(self) -> ThreadedFakeEnvironment:
+    def __enter__(self) -> ThreadedEnvironmentServer:
         self.open()
         return self
 
@@ -601,7 +605,7 @@ class ThreadedFakeEnvironment:
         """Start the thread and the server in it. Idempotent."""
         if self._loop is not None:
             return
-        self._loop = BackgroundLoop("fake-environment")
+        self._loop = BackgroundLoop("environment-server")
         self._loop.open()
         self.run(self.server.start())
 

@@ -227,11 +227,11 @@ def browser_call_faults(
     (lose_session) or ``timeout`` (hang, after the client's ``call_timeout_s``), ends the attempt and re-runs the
     rollout in a new session, which is drawn anew. Sessions of ``spare_tasks`` are never faulted.
     """
-    from ...environment import TOOL_NAMES
+    from ...browser_calls import BROWSER_FINISH, TOOL_NAMES
 
     _check_rate(rate)
     proxy_fault(kind)
-    browser_calls = frozenset(TOOL_NAMES) - {"browser_finish"}
+    browser_calls = frozenset(TOOL_NAMES) - {BROWSER_FINISH}
     calls: dict[str, int] = {}  # session id -> its browser calls so far; forgotten at its close
     lock = threading.Lock()
 

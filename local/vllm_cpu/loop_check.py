@@ -346,7 +346,7 @@ async def stage_tools(served: Served, *, episodes: int, seed: int) -> tuple[Stag
     outcomes = []
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": MAX_TURN_TOKENS}
     try:
-        async with InProcessEnvironmentServer(site=shop_tasks.fake_site()) as environment:
+        async with InProcessEnvironmentServer(site=shop_tasks.in_process_site()) as environment:
             for sample in samples[:episodes]:
                 loop = build_loop(
                     client, tokenizer=tokenizer, tools=tools, trainer_config=config,

@@ -18,7 +18,7 @@ Lifetimes it guarantees
     configuration, shared by the loop objects verl builds per sample, closed by :func:`close_shared_clients`.
 
 Who caused it decides (``../shared/notes/failure-handling.md``)
-    * Infrastructure (an :class:`~nemo_gym_browser.environment.EnvironmentFailure`: seed failed, session lost,
+    * Infrastructure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`: seed failed, session lost,
       unreachable, 5xx, a call hung past its per-call timeout, the session held past its hold limit, verify could
       not grade, the judge gave no usable verdict): the attempt ends at once (no further model call), its session
       is closed, and the rollout is re-run from scratch in a new session, up to ``max_attempts``. Still failing
@@ -81,9 +81,10 @@ from verl.utils.profiler import simple_timer
 from . import dropped_rollouts, session_ids, trajectories
 from .browser_calls import BROWSER_FINISH, parse_tool_call
 from .browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of
-from .environment import EnvironmentClient, EnvironmentFailure, FailureKind, parse_observation
+from .environment import EnvironmentClient, parse_observation
 from .episode import BrowserEpisode, EpisodeSpec
 from .episode_metrics import reward_extra_info
+from .failures import EnvironmentFailure, FailureKind
 from .judge import BinaryJudge, JudgeEvidence
 from .rollout_cancel import generate_within, track_rollout_requests
 from .sample_fields import OptionalFields, complete_optional_fields

@@ -40,7 +40,6 @@ Retries
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import re
@@ -62,6 +61,7 @@ from .browser_calls import (
     BROWSER_TYPE,
     TOOL_NAMES,
 )
+from .failures import EnvironmentFailure, FailureKind
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
 from .rows import validate_verifier_metadata as validate_verifier_metadata
@@ -89,32 +89,6 @@ _CLOSE_TRIES = 3
 _CLOSE_BACKOFF_CAP_S = 2.0
 # A server's answer quoted in a failure reason: enough to act on, short enough for a log line.
 _DETAIL_CHARS = 300
-
-
-class FailureKind(str, enum.Enum):
-    """What part of the infrastructure failed. The values are the recipe's per-sample ``env_failure_kind``."""
-
-    SEED_FAILED = "seed_failed"
-    SESSION_LOST = "session_lost"
-    UNREACHABLE = "unreachable"
-    SERVER_ERROR = "server_error"
-    TIMEOUT = "timeout"
-    VERIFY_UNAVAILABLE = "verify_unavailable"
-    JUDGE_UNUSABLE = "judge_unusable"
-
-
-class EnvironmentFailure(Exception):
-    """The infrastructure failed, so the episode measures nothing about the policy.
-
-    The one exception type of this module. ``kind`` says what failed and ``reason`` says how, in words an
-    operator can act on; neither ever holds a secret.
-    """
-
-    def __init__(self, kind: FailureKind, reason: str, *, server_url: str | None = None) -> None:
-        self.kind = FailureKind(kind)
-        self.reason = reason
-        self.server_url = server_url
-        super().__init__(f"{self.kind.value}: {reason}")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Lifetimes
     later tool call is answered with a closing message instead of reaching the browser.
 
 Who caused it decides
-    An infrastructure failure (an :class:`~nemo_gym_browser.environment.EnvironmentFailure`, an unmapped error of
+    An infrastructure failure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`, an unmapped error of
     the client, a call hung past its bound, the session held past its hold limit) is recorded on the episode the
     moment it happens and ends the attempt. Bad arguments, unknown actions, refused navigations and the deadline are
     policy outcomes: the model reads them and the episode is scored as it stands.
@@ -38,7 +38,8 @@ from typing import Any
 
 from . import trajectories
 from .browser_calls import BROWSER_FINISH, BROWSER_NAVIGATE, NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, parse_tool_call
-from .environment import BrowserSession, EnvironmentFailure, FailureKind, ToolResult, parse_observation
+from .environment import BrowserSession, ToolResult, parse_observation
+from .failures import EnvironmentFailure, FailureKind
 from .settings import plain_config
 from .url_safety import UrlGuard, UrlRefused
 

@@ -11,13 +11,8 @@ import pytest
 from environment_fixtures import config
 
 from nemo_gym_browser import rows
-from nemo_gym_browser.environment import (
-    VERIFIER_KEYS,
-    EnvironmentClient,
-    EnvironmentFailure,
-    FailureKind,
-    validate_verifier_metadata,
-)
+from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient, validate_verifier_metadata
+from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.settings import EnvironmentConfig

@@ -12,7 +12,8 @@ import itertools
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind
+from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.settings import EnvironmentConfig
 

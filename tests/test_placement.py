@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure
+from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.failures import EnvironmentFailure
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.placement import Grant, PlacementAuthority, SessionTicket, StaticSharePlacement, static_share
 from nemo_gym_browser.settings import EnvironmentConfig

@@ -609,7 +609,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         with episode.model_time():
             try:
                 return await generate_within(generation(), hold_left, episode.label)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 episode.fail(episode.held_too_long("generation"))
                 return None
 

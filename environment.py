@@ -393,7 +393,7 @@ class BrowserSession:
                 async with self._session().post(url, json=body, timeout=timeout) as response:
                     status = response.status
                     raw = await read_body(response, self._config.max_answer_bytes)
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 kind = FailureKind.TIMEOUT if generic else call_kind
                 raise self._server_down(self._failure(kind, f"{path} did not answer within {timeout_s:g}s")) from exc
             except (

@@ -240,7 +240,7 @@ class BrowserEpisode:
         """
         try:
             return await asyncio.wait_for(self.session.call(tool, arguments), self.call_bound_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EnvironmentFailure(
                 FailureKind.TIMEOUT, f"{tool} did not answer within {self.call_bound_s:g}s"
             ) from None

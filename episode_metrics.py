@@ -44,19 +44,6 @@ FLAG_KEYS = (
     "env_refused_navigations",
     "env_browser_actions",
 )
-# Written in step-wise mode only (V1 trainer): the sample's step number and its episode's step count.
-STEP_KEYS = ("env_step", "env_steps")
-# reward_extra_info keys (numeric: verl's validation metrics average them).
-REWARD_EXTRA_KEYS = (
-    "env/invalid",
-    "env/attempts",
-    "env/deadline_hit",
-    "env/reward_from_verify",
-    "env/reward_from_judge",
-    "env/episode_wall_s",
-    "env/browsed",
-    "env/browser_actions",
-)
 
 
 def reward_extra_info(flags: Mapping[str, Any]) -> dict[str, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 
 
-class FailureKind(str, enum.Enum):
+class FailureKind(enum.StrEnum):
     """What part of the environment failed. The values are the recipe's per-sample ``env_failure_kind``."""
 
     SEED_FAILED = "seed_failed"  # no browser session could be opened for the task

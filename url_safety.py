@@ -370,7 +370,7 @@ class UrlGuard:
     async def _resolve(self, host: str, port: int) -> list[IPAddress]:
         try:
             answers = await asyncio.wait_for(self._resolver(host.rstrip("."), port), self.policy.dns_timeout_s)
-        except (OSError, UnicodeError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, UnicodeError) as exc:
             raise UrlRefused(f"the host {host} could not be resolved") from exc
         addresses: list[IPAddress] = []
         for answer in answers:

@@ -352,9 +352,6 @@ class InProcessEnvironmentServer(LoopbackServer):
         self._rules.append(rule)
         return rule
 
-    def clear_faults(self) -> None:
-        self._rules.clear()
-
     def set_rule(self, rule: Rule | None) -> None:
         """Ask ``rule`` about every call from now on that no injected fault acts on (None: ask nothing).
 

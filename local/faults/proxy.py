@@ -31,7 +31,6 @@ successful verify or close has released since. Everything binds 127.0.0.1; every
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import json
@@ -282,7 +281,7 @@ class FaultProxy(LoopbackServer):
                         continue
                     answer.headers.add(name, value)
                 return answer
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             # What a reverse proxy says when the server behind it is gone or silent.
             logger.info("fault proxy: upstream %s failed for %s: %s", self.upstream, request.path, type(exc).__name__)
             text = json.dumps(f"bad gateway: {type(exc).__name__}")

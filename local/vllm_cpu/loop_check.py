@@ -246,7 +246,7 @@ async def stage_cancel(served: Served, *, cut_s: float, watch_s: float, seed: in
             else:
                 await generate_within(generation, cut_s, f"loop_check {kind}")
             raise AssertionError(f"the {kind} request finished within {cut_s} s: make it longer")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return began + cut_s, counter_before
 

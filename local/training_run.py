@@ -3,7 +3,7 @@
 It assembles what a local run needs and runs it: the task rows (:func:`prepare_task_rows`), a warm-started tiny
 policy (:func:`tiny_policy_folder`, :func:`deal_policy_folder`), the Corner Shop behind a real ``interactive_browser``
 (:func:`shop_environment`, or in :func:`main` directly) with the fault proxy in front of it
-(:mod:`.injected_faults`), then :func:`.main_ppo_process.run_main_ppo` for a :class:`.run_spec.RunSpec`, printing
+(:mod:`.faults.injected`), then :func:`.main_ppo_process.run_main_ppo` for a :class:`.run_spec.RunSpec`, printing
 one line per step (:func:`summary_line`) as verl logs it. The environment server and the proxy are stopped when the
 run ends, however it ends.
 """

@@ -192,7 +192,7 @@ class LoopFactory:
     """Builds one agent loop per episode exactly as verl 0.9.1's ``AgentLoopWorker._run_agent_loop`` does.
 
     verl reads the agent-loop YAML once and calls ``hydra.utils.instantiate`` on the entry for every sample with
-    these keyword arguments; so does :meth:`build`. (``agent_loop_harness.build_loop`` re-reads the YAML on each
+    these keyword arguments; so does :meth:`build`. (``in_process_loop.build_loop`` re-reads the YAML on each
     call, which is fine for a test and too slow to measure or to run hundreds of episodes with.)
     """
 

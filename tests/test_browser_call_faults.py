@@ -1,6 +1,6 @@
 """Faults at browser calls hit an episode once per call it makes, as real infrastructure does, and never its answer.
 
-The rule (``injected_faults.browser_call_faults``) on its own: a deterministic draw per browser call, the rate it was
+The rule (``faults.injected.browser_call_faults``) on its own: a deterministic draw per browser call, the rate it was
 given, the endpoints it leaves alone. Then through the real agent loop, with a scripted policy, the real fault
 proxy and the in-process environment server: a browsing episode hit at a browser call ends as an infrastructure failure
 of the kind injected and is re-run, an episode that finishes at once meets no fault.

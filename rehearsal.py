@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_browser.browser_calls import BROWSER_CLICK
+
 RECIPE_DIR = Path(__file__).resolve().parent
 TASKS = RECIPE_DIR / "examples" / "local_tasks.jsonl"
 GROUP_SIZE = 4
@@ -64,8 +66,8 @@ PLANS: dict[str, tuple[SamplePlan, ...]] = {
     "bundled--form": (
         SamplePlan(True),
         SamplePlan(False),
-        SamplePlan(False, "browser_click", (1, 2, 3), "session lost on every attempt"),
-        SamplePlan(False, "browser_click", (1, 2, 3), "session lost on every attempt"),
+        SamplePlan(False, BROWSER_CLICK, (1, 2, 3), "session lost on every attempt"),
+        SamplePlan(False, BROWSER_CLICK, (1, 2, 3), "session lost on every attempt"),
     ),
     "bundled--home": (
         SamplePlan(True),
@@ -104,7 +106,7 @@ def fault_rule(plans: dict[int, SamplePlan]) -> Any:
 
     faults = {
         "seed_session": Fault.status(503),
-        "browser_click": Fault.lose_session(),
+        BROWSER_CLICK: Fault.lose_session(),
         "verify": Fault.status(503),
     }
 

@@ -18,7 +18,7 @@ Lifetimes it guarantees
     configuration, shared by the loop objects verl builds per sample, closed by :func:`close_shared_clients`.
 
 Who caused it decides (``../shared/notes/failure-handling.md``)
-    * Infrastructure (an :class:`~nemo_gym_browser.environment.EnvironmentFailure`: seed failed, session lost,
+    * Infrastructure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`: seed failed, session lost,
       unreachable, 5xx, a call hung past its per-call timeout, the session held past its hold limit, verify could
       not grade, the judge gave no usable verdict): the attempt ends at once (no further model call), its session
       is closed, and the rollout is re-run from scratch in a new session, up to ``max_attempts``. Still failing
@@ -69,7 +69,6 @@ import asyncio
 import contextvars
 import logging
 import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,11 +78,13 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.utils.profiler import simple_timer
 
-from . import dropped_rollouts, trajectories
-from .browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of, parse_tool_call
-from .environment import EnvironmentClient, EnvironmentFailure, FailureKind, parse_observation
+from . import dropped_rollouts, session_ids, trajectories
+from .browser_calls import BROWSER_FINISH, parse_tool_call
+from .browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of
+from .environment import EnvironmentClient, parse_observation
 from .episode import BrowserEpisode, EpisodeSpec
 from .episode_metrics import reward_extra_info
+from .failures import EnvironmentFailure, FailureKind
 from .judge import BinaryJudge, JudgeEvidence
 from .rollout_cancel import generate_within, track_rollout_requests
 from .sample_fields import OptionalFields, complete_optional_fields
@@ -97,6 +98,7 @@ from .stepwise import (
 )
 from .tool_parser import LenientHermesToolParser
 from .url_safety import UrlGuard, url_scheme
+from .wiring import ESTIMATOR_NAME
 
 __all__ = ["AGENT_LOOP_NAME", "BrowserTool", "BrowserToolAgentLoop", "close_shared_clients", "running_under_v1_trainer"]
 
@@ -246,7 +248,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         under_v1 = running_under_v1_trainer(kwargs)
         if self.settings.stepwise.enabled and not under_v1:
             raise RuntimeError(LEGACY_STEPWISE_MESSAGE)
-        rollout = _Rollout(rollout_id=f"r{kwargs.get('index', 'x')}-{uuid.uuid4().hex[:16]}")
+        rollout = _Rollout(rollout_id=session_ids.rollout_id(kwargs.get("index")))
         await self._run_attempts(sampling_params, kwargs, spec, rollout)
         if rollout.outcome.failure is not None and drop_invalid_enabled(self.settings.drop_invalid):
             if under_v1:
@@ -612,7 +614,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         with episode.model_time():
             try:
                 return await generate_within(generation(), hold_left, episode.label)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 episode.fail(episode.held_too_long("generation"))
                 return None
 
@@ -637,7 +639,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if not isinstance(tools.get(call.name), BrowserTool):
                 continue
             parsed = parse_tool_call(call.name, call.arguments)
-            if isinstance(parsed, tuple) and parsed[0] == "browser_finish":
+            if isinstance(parsed, tuple) and parsed[0] == BROWSER_FINISH:
                 logger.info("%s: finish in the last allowed turn, run after verl's turn limit", episode.label)
                 await episode.act(call.name, call.arguments)
 
@@ -669,8 +671,8 @@ def _warn_legacy_drop() -> None:
         "legacy-drop",
         "The drop switch (%s=1 or drop_invalid: true) has no effect under the legacy trainer "
         "(trainer.use_v1=false): it needs exactly one sample per prompt, so invalid rollouts are kept, flagged "
-        "env_invalid, loss-masked and excluded from the GRPO baseline by grpo_env_aware. Use the V1 trainer to "
-        "drop them.",
+        "env_invalid, loss-masked and excluded from the GRPO baseline by %s. Use the V1 trainer to drop them.",
         DROP_INVALID_ENV,
+        ESTIMATOR_NAME,
         level=logging.ERROR,
     )

@@ -1,12 +1,12 @@
-"""The browser as a verl tool: its names and schemas, a tool call's arguments, and the text the model reads back.
+"""The browser as a verl tool: its schemas, and where a call finds the rollout's browser session.
 
 What this module owns
     * :class:`BrowserTool` (a verl ``BaseTool``): a tool call becomes a browser action on the rollout's own
       session. One class serves the recipe's single ``browser`` tool (``action`` = observe / navigate / click /
       type / finish) and NeMo Gym's five native tools (``browser_observe`` ... ``browser_finish``); the tool
       name in the tool config decides which (``configs/browser_tool.yaml``, ``configs/browser_native_tools.yaml``).
-    * :func:`parse_tool_call`: a call's arguments checked and mapped to an environment tool, or the policy error
-      the model reads; :func:`render_result`: the text of one browser answer.
+      The names and the grammar of a call's arguments are :mod:`~nemo_gym_browser.browser_calls`'.
+    * :func:`default_tool_schema`: the schema each name gets when the tool config gives none.
 
 Lifetimes
     verl creates and releases a tool instance around every single call and turns every tool exception into a
@@ -18,15 +18,22 @@ Lifetimes
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from .environment import ToolResult
+from .browser_calls import (
+    ACTIONS,
+    BROWSER_CLICK,
+    BROWSER_FINISH,
+    BROWSER_NAVIGATE,
+    BROWSER_OBSERVE,
+    BROWSER_TYPE,
+    NATIVE_TOOL_ACTIONS,
+    SINGLE_TOOL_NAME,
+)
 
 if TYPE_CHECKING:
     from .episode import BrowserEpisode
@@ -36,66 +43,7 @@ AGENT_LOOP_NAME = "nemo_gym_browser_agent"
 # Where the attempt's episode hangs on verl's AgentData (verl itself adds private attributes there too).
 EPISODE_ATTRIBUTE = "nemo_gym_browser_episode"
 
-ACTIONS = ("observe", "navigate", "click", "type", "finish")
-NATIVE_TOOL_ACTIONS = {f"browser_{action}": action for action in ACTIONS}
-SINGLE_TOOL_NAME = "browser"
 _ELEMENT_ID = {"type": "integer", "description": "An element id from the last observation's ELEMENTS list."}
-
-
-def parse_tool_call(tool_name: str, parameters: Any) -> tuple[str, dict[str, Any]] | str:
-    """``(environment tool, arguments)`` for a call of ``tool_name``, or the policy error to show the model.
-
-    The single ``browser`` tool is validated here (its schema is ours); native tools are forwarded verbatim so
-    the server's own validation (422) speaks, as in NeMo Gym's evaluation.
-    """
-    if isinstance(parameters, str):
-        try:
-            parameters = json.loads(parameters)
-        except json.JSONDecodeError:
-            return "the arguments must be a JSON object"
-    if not isinstance(parameters, Mapping):
-        return "the arguments must be a JSON object"
-    if tool_name in NATIVE_TOOL_ACTIONS:
-        return tool_name, dict(parameters)
-    action = parameters.get("action")
-    if not isinstance(action, str) or action.strip().lower() not in ACTIONS:
-        return f"unknown action {action!r}; the browser tool's action is one of {', '.join(ACTIONS)}"
-    action = action.strip().lower()
-    arguments: dict[str, Any] = {}
-    if action == "navigate":
-        url = parameters.get("url")
-        if not isinstance(url, str) or not url.strip():
-            return "navigate needs a url (a string)"
-        arguments["url"] = url.strip()
-    if action in ("click", "type"):
-        element_id = parameters.get("element_id")
-        if isinstance(element_id, str) and element_id.strip().isdigit():
-            element_id = int(element_id)
-        if isinstance(element_id, float) and element_id.is_integer():
-            element_id = int(element_id)
-        if not isinstance(element_id, int) or isinstance(element_id, bool) or element_id < 0:
-            return f"{action} needs an element_id (a number from the last observation's element list)"
-        arguments["element_id"] = element_id
-    if action == "type":
-        text = parameters.get("text")
-        if not isinstance(text, str):
-            return "type needs a text (a string)"
-        arguments["text"] = text
-    if action == "finish":
-        answer = parameters.get("answer")
-        if answer is None:
-            return "finish needs an answer (a string)"
-        arguments["answer"] = answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
-    return f"browser_{action}", arguments
-
-
-def render_result(result: ToolResult) -> str:
-    """The text the model reads for one browser answer."""
-    if result.error:
-        return f"Error: {result.error}" + (f"\n{result.observation}" if result.observation else "")
-    if result.done:
-        return result.observation or "Finished: your answer was recorded."
-    return result.observation or "(the browser returned no observation)"
 
 
 def episode_of(agent_data: Any) -> BrowserEpisode | None:
@@ -137,19 +85,19 @@ def default_tool_schema(name: str) -> OpenAIFunctionToolSchema:
             ["action"],
         )
     natives = {
-        "browser_observe": ("Read the current page: URL, title, numbered interactive elements and text.", {}, []),
-        "browser_navigate": (
+        BROWSER_OBSERVE: ("Read the current page: URL, title, numbered interactive elements and text.", {}, []),
+        BROWSER_NAVIGATE: (
             "Open a URL in the browser.",
             {"url": {"type": "string", "description": "An absolute http(s) URL."}},
             ["url"],
         ),
-        "browser_click": ("Click an element of the last observation.", {"element_id": _ELEMENT_ID}, ["element_id"]),
-        "browser_type": (
+        BROWSER_CLICK: ("Click an element of the last observation.", {"element_id": _ELEMENT_ID}, ["element_id"]),
+        BROWSER_TYPE: (
             "Type text into an element of the last observation.",
             {"element_id": _ELEMENT_ID, "text": {"type": "string", "description": "The text to enter."}},
             ["element_id", "text"],
         ),
-        "browser_finish": (
+        BROWSER_FINISH: (
             "End the task with your final answer.",
             {"answer": {"type": "string", "description": "Your final answer."}},
             ["answer"],

@@ -54,15 +54,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .environment import TOOL_NAMES
-from .task_rows import BROWSER_TOOL
+from .browser_calls import SINGLE_TOOL_NAME, TOOL_NAMES
+from .browser_tool import AGENT_LOOP_NAME
 from .tasks import InputError, Task, task_from_nemo_gym_row
 
 logger = logging.getLogger(__name__)
 
-AGENT_NAME = "nemo_gym_browser_agent"
 DEFAULT_DATA_SOURCE = "nemo_gym"
-EPISODE_TOOLS = (BROWSER_TOOL, *TOOL_NAMES)
+EPISODE_TOOLS = (SINGLE_TOOL_NAME, *TOOL_NAMES)
 # responses_create_params keys the prompt already carries, or that sampling settings of the trainer replace.
 _RCP_CONSUMED = frozenset({"input", "temperature", "top_p", "top_k", "parallel_tool_calls"})
 # Row keys that become sample columns of their own rather than extra_env_info.
@@ -97,7 +96,7 @@ def _sample(task: Task, index: int) -> dict[str, Any]:
     return {
         "raw_prompt": task.messages,
         "tools_kwargs": {tool: {"create_kwargs": copy.deepcopy(episode)} for tool in EPISODE_TOOLS},
-        "agent_name": AGENT_NAME,
+        "agent_name": AGENT_LOOP_NAME,
         "index": index,
         "data_source": row.get("data_source") or DEFAULT_DATA_SOURCE,
         "extra_info": {

@@ -40,7 +40,6 @@ Retries
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import re
@@ -53,6 +52,16 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import session_ids
+from .browser_calls import (
+    BROWSER_CLICK,
+    BROWSER_FINISH,
+    BROWSER_NAVIGATE,
+    BROWSER_OBSERVE,
+    BROWSER_TYPE,
+    TOOL_NAMES,
+)
+from .failures import EnvironmentFailure, FailureKind
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
 from .rows import validate_verifier_metadata as validate_verifier_metadata
@@ -69,9 +78,8 @@ from .text import shorten
 
 logger = logging.getLogger(__name__)
 
-TOOL_NAMES = ("browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish")
 # Calls that are safe to repeat after a transport error (see the module docstring for why).
-IDEMPOTENT_TOOLS = frozenset({"browser_observe", "browser_navigate", "browser_finish"})
+IDEMPOTENT_TOOLS = frozenset({BROWSER_OBSERVE, BROWSER_NAVIGATE, BROWSER_FINISH})
 
 # What verify's failure_reason says when the session is gone (anything else there: verify could not grade).
 _VERIFY_SESSION_NOT_FOUND = "browser session not found at verify"
@@ -81,32 +89,6 @@ _CLOSE_TRIES = 3
 _CLOSE_BACKOFF_CAP_S = 2.0
 # A server's answer quoted in a failure reason: enough to act on, short enough for a log line.
 _DETAIL_CHARS = 300
-
-
-class FailureKind(str, enum.Enum):
-    """What part of the infrastructure failed. The values are the recipe's per-sample ``env_failure_kind``."""
-
-    SEED_FAILED = "seed_failed"
-    SESSION_LOST = "session_lost"
-    UNREACHABLE = "unreachable"
-    SERVER_ERROR = "server_error"
-    TIMEOUT = "timeout"
-    VERIFY_UNAVAILABLE = "verify_unavailable"
-    JUDGE_UNUSABLE = "judge_unusable"
-
-
-class EnvironmentFailure(Exception):
-    """The infrastructure failed, so the episode measures nothing about the policy.
-
-    The one exception type of this module. ``kind`` says what failed and ``reason`` says how, in words an
-    operator can act on; neither ever holds a secret.
-    """
-
-    def __init__(self, kind: FailureKind, reason: str, *, server_url: str | None = None) -> None:
-        self.kind = FailureKind(kind)
-        self.reason = reason
-        self.server_url = server_url
-        super().__init__(f"{self.kind.value}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -319,7 +301,7 @@ class EnvironmentClient:
     ) -> AsyncIterator[BrowserSession]:
         """Seed a browser session, yield it, and close it whatever happens."""
         metadata = validate_verifier_metadata(verifier_metadata)  # before a slot is taken: a bad row holds none
-        session_id = f"{rollout_id}.{attempt}.{next(self._counter)}"
+        session_id = session_ids.session_id(rollout_id, attempt, next(self._counter))
         server, grant = await self._acquire_server(
             SessionTicket(session_id=session_id, rollout_id=rollout_id, attempt=attempt)
         )
@@ -411,7 +393,7 @@ class BrowserSession:
                 async with self._session().post(url, json=body, timeout=timeout) as response:
                     status = response.status
                     raw = await read_body(response, self._config.max_answer_bytes)
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 kind = FailureKind.TIMEOUT if generic else call_kind
                 raise self._server_down(self._failure(kind, f"{path} did not answer within {timeout_s:g}s")) from exc
             except (
@@ -544,7 +526,7 @@ class BrowserSession:
             connector=self._client._pool(), connector_owner=False, cookie_jar=self._jar
         ) as http:
             timeout = aiohttp.ClientTimeout(total=self._config.close_timeout_s)
-            async with http.post(f"{self._server.url}/browser_observe", json={}, timeout=timeout) as response:
+            async with http.post(f"{self._server.url}/{BROWSER_OBSERVE}", json={}, timeout=timeout) as response:
                 payload = await response.json(content_type=None)
         return isinstance(payload, dict) and payload.get("error") == NO_SESSION_ERROR
 
@@ -577,19 +559,19 @@ class BrowserSession:
         return ToolResult(observation=answer.observation, done=answer.done, error=answer.error)
 
     async def observe(self) -> ToolResult:
-        return await self.call("browser_observe", {})
+        return await self.call(BROWSER_OBSERVE, {})
 
     async def navigate(self, url: str) -> ToolResult:
-        return await self.call("browser_navigate", {"url": url})
+        return await self.call(BROWSER_NAVIGATE, {"url": url})
 
     async def click(self, element_id: int) -> ToolResult:
-        return await self.call("browser_click", {"element_id": element_id})
+        return await self.call(BROWSER_CLICK, {"element_id": element_id})
 
     async def type(self, element_id: int, text: str) -> ToolResult:
-        return await self.call("browser_type", {"element_id": element_id, "text": text})
+        return await self.call(BROWSER_TYPE, {"element_id": element_id, "text": text})
 
     async def finish(self, answer: str) -> ToolResult:
-        return await self.call("browser_finish", {"answer": answer})
+        return await self.call(BROWSER_FINISH, {"answer": answer})
 
     async def verify(self) -> VerifyResult:
         """Grade the episode against the seed-time ``verifier_metadata``. The server releases the browser.

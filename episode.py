@@ -9,7 +9,7 @@ Lifetimes
     later tool call is answered with a closing message instead of reaching the browser.
 
 Who caused it decides
-    An infrastructure failure (an :class:`~nemo_gym_browser.environment.EnvironmentFailure`, an unmapped error of
+    An infrastructure failure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`, an unmapped error of
     the client, a call hung past its bound, the session held past its hold limit) is recorded on the episode the
     moment it happens and ends the attempt. Bad arguments, unknown actions, refused navigations and the deadline are
     policy outcomes: the model reads them and the episode is scored as it stands.
@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import trajectories
-from .browser_tool import NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, parse_tool_call, render_result
-from .environment import BrowserSession, EnvironmentFailure, FailureKind, ToolResult, parse_observation
+from .browser_calls import BROWSER_FINISH, BROWSER_NAVIGATE, NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, parse_tool_call
+from .environment import BrowserSession, ToolResult, parse_observation
+from .failures import EnvironmentFailure, FailureKind
 from .settings import plain_config
 from .url_safety import UrlGuard, UrlRefused
 
@@ -47,6 +48,15 @@ logger = logging.getLogger(__name__)
 DEADLINE_MESSAGE = "The time limit of this episode has been reached; no further browser actions are possible."
 FINISHED_MESSAGE = "The task is already finished; no further browser actions are possible."
 ABANDONED_MESSAGE = "The browser environment failed; this attempt is abandoned."
+
+
+def render_result(result: ToolResult) -> str:
+    """The text the model reads for one browser answer."""
+    if result.error:
+        return f"Error: {result.error}" + (f"\n{result.observation}" if result.observation else "")
+    if result.done:
+        return result.observation or "Finished: your answer was recorded."
+    return result.observation or "(the browser returned no observation)"
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,7 @@ class BrowserEpisode:
         if self.hold_remaining() <= 0:
             self.fail(self.held_too_long(tool))
             return ABANDONED_MESSAGE
-        if tool == "browser_navigate" and isinstance(arguments.get("url"), str):
+        if tool == BROWSER_NAVIGATE and isinstance(arguments.get("url"), str):
             try:
                 await self.guard.check(arguments["url"])
             except UrlRefused as refusal:
@@ -204,7 +214,7 @@ class BrowserEpisode:
                 self.steps.append(f"navigate({arguments['url'][:80]!r}) -> refused")
                 return f"Error: navigation refused: {refusal}"
         self.tool_calls += 1
-        self.browser_actions += tool != "browser_finish"
+        self.browser_actions += tool != BROWSER_FINISH
         try:
             result = await self._bounded_call(tool, arguments)
         except EnvironmentFailure as failure:
@@ -230,7 +240,7 @@ class BrowserEpisode:
         """
         try:
             return await asyncio.wait_for(self.session.call(tool, arguments), self.call_bound_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EnvironmentFailure(
                 FailureKind.TIMEOUT, f"{tool} did not answer within {self.call_bound_s:g}s"
             ) from None

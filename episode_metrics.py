@@ -29,6 +29,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .failures import FAILURE_KINDS
+
 # The keys the loop writes into every sample's extra_fields (the first six are the project-wide contract).
 FLAG_KEYS = (
     "env_invalid",
@@ -41,28 +43,6 @@ FLAG_KEYS = (
     "env_episode_wall_s",
     "env_refused_navigations",
     "env_browser_actions",
-)
-# Written in step-wise mode only (V1 trainer): the sample's step number and its episode's step count.
-STEP_KEYS = ("env_step", "env_steps")
-FAILURE_KINDS = (
-    "seed_failed",
-    "session_lost",
-    "unreachable",
-    "server_error",
-    "timeout",
-    "verify_unavailable",
-    "judge_unusable",
-)
-# reward_extra_info keys (numeric: verl's validation metrics average them).
-REWARD_EXTRA_KEYS = (
-    "env/invalid",
-    "env/attempts",
-    "env/deadline_hit",
-    "env/reward_from_verify",
-    "env/reward_from_judge",
-    "env/episode_wall_s",
-    "env/browsed",
-    "env/browser_actions",
 )
 
 

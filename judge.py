@@ -112,7 +112,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class JudgeStats:
-    """Cumulative counters of one :class:`BinaryJudge` (``judge/`` metrics)."""
+    """Cumulative counters of one :class:`BinaryJudge` (:attr:`BinaryJudge.stats`), kept in its process for
+    diagnosis; they are not reported as training metrics."""
 
     requests: int = 0
     cache_hits: int = 0
@@ -475,7 +476,7 @@ class BinaryJudge:
                     status = response.status
                     retry_after = response.headers.get("Retry-After")
                     raw = await response.read()
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 return _Attempt(None, f"timed out after {self.config.timeout_s:g}s")
             except (aiohttp.ClientError, OSError) as exc:
                 return _Attempt(None, f"transport error: {type(exc).__name__}: {_excerpt(self._key.scrub(str(exc)))}")

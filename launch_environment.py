@@ -113,7 +113,7 @@ CHROMIUM_FLAGS = (
 )
 
 
-class Backend(str, enum.Enum):
+class Backend(enum.StrEnum):
     REMOTE_CDP = "remote_cdp"
     LOCAL_PLAYWRIGHT = "local_playwright"
 

@@ -237,7 +237,9 @@ def _is_patched(name: str, module: ModuleType) -> bool:
 def _apply_logged(name: str, module: ModuleType) -> None:
     if _APPLY[name](module) and name not in _logged:
         _logged.add(name)
-        logger.info("nemo_gym_browser: patched %s for grpo_env_aware and env/* metrics (verl %s)", name, verl_version())
+        logger.info(
+            "nemo_gym_browser: patched %s for %s and env/* metrics (verl %s)", name, ESTIMATOR_NAME, verl_version()
+        )
 
 
 def _enabled_or_log() -> bool:

@@ -468,7 +468,7 @@ class RayPlacement:
         for attempt in range(2):
             try:
                 return await asyncio.wait_for(getattr(self._actor(), method).remote(*args), timeout_s)
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 reason = f"the placement authority did not answer {method} in {timeout_s:g}s"
                 raise PlacementUnavailable(reason) from exc
             except Exception as exc:

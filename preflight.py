@@ -60,13 +60,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from nemo_gym_browser.settings import DROP_INVALID_ENV
+
 # verl's own default model path: seeing it means the script's model override did not arrive.
 VERL_PLACEHOLDER_MODEL = "~/models/deepseek-llm-7b-chat"
 JUDGE_PROBE_TIMEOUT_S = 15.0
 # Connecting a driver and starting one worker per node takes seconds; a node that cannot run a task in this long
 # will not run rollouts either.
 RAY_PROBE_TIMEOUT_S = 180.0
-DROP_SWITCH_ENV = "NEMO_GYM_BROWSER_DROP_INVALID"
 # Prompts are rendered one by one on the CPU; beyond this many rows a sample is representative and keeps this fast.
 MAX_PROMPTS_RENDERED = 2000
 
@@ -443,7 +444,7 @@ def _worker_view(estimator: str, judge_key_env: str | None, judge: tuple[str, st
     import importlib
     import socket
 
-    view: dict[str, Any] = {"host": socket.gethostname(), "drop_switch": os.environ.get(DROP_SWITCH_ENV)}
+    view: dict[str, Any] = {"host": socket.gethostname(), "drop_switch": os.environ.get(DROP_INVALID_ENV)}
     try:
         importlib.import_module("nemo_gym_browser")
         view["package"] = True
@@ -471,7 +472,7 @@ def check_ray_workers(ctx: Context) -> str:
     judge_key_env = judge.api_key_env if judge is not None else None
     judge_probe = (judge.base_url, judge.model) if judge is not None and ctx.probe_judge else None
     estimator = str(ctx.config.algorithm.adv_estimator)
-    expected_switch = os.environ.get(DROP_SWITCH_ENV)
+    expected_switch = os.environ.get(DROP_INVALID_ENV)
     connect = not ray.is_initialized()
     if connect:
         address = os.environ.get("RAY_ADDRESS")
@@ -498,7 +499,7 @@ def check_ray_workers(ctx: Context) -> str:
     for view in views:
         host = view["host"]
         if view["drop_switch"] != expected_switch:
-            exports.append(f"{host}: {DROP_SWITCH_ENV}={view['drop_switch']!r}, expected {expected_switch!r}")
+            exports.append(f"{host}: {DROP_INVALID_ENV}={view['drop_switch']!r}, expected {expected_switch!r}")
         if not view["package"]:
             exports.append(f"{host}: nemo_gym_browser does not import in a Ray worker")
         if not view["estimator"]:
@@ -520,7 +521,8 @@ def check_ray_workers(ctx: Context) -> str:
     hosts = ", ".join(sorted(view["host"] for view in views))
     judged = f"; judge {judge.model} answers at {judge.base_url} on every node" if judge_probe else ""
     return (
-        f"{len(views)} node(s) ({hosts}): {DROP_SWITCH_ENV}={expected_switch}, recipe and {estimator} in place" + judged
+        f"{len(views)} node(s) ({hosts}): {DROP_INVALID_ENV}={expected_switch}, recipe and {estimator} in place"
+        + judged
     )
 
 

@@ -34,9 +34,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from nemo_gym_browser.browser_calls import SINGLE_TOOL_NAME
 from nemo_gym_browser.named_dates import DateCheck, check_dates
 from nemo_gym_browser.rows import VERIFIER_KEYS
-from nemo_gym_browser.task_rows import BROWSER_TOOL, TOOL_INTERFACES, build_row
+from nemo_gym_browser.task_rows import TOOL_INTERFACES, build_row
 from nemo_gym_browser.tasks import (
     ID_FIELDS,
     InputError,
@@ -389,7 +390,7 @@ def prepare(args: argparse.Namespace, today: dt.date) -> Report:
     return report
 
 
-def prepare_rows(task_file: Path, output_dir: Path, tool_interface: str = BROWSER_TOOL) -> Path:
+def prepare_rows(task_file: Path, output_dir: Path, tool_interface: str = SINGLE_TOOL_NAME) -> Path:
     """Every task of ``task_file`` (any input format ``--input`` reads) as rows in ``output_dir/train.jsonl``.
 
     The library form of ``--input FILE --val-fraction 0 --output-dir DIR``: the same validation and rows, no report.

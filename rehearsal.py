@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_browser.browser_calls import BROWSER_CLICK
+
 RECIPE_DIR = Path(__file__).resolve().parent
 TASKS = RECIPE_DIR / "examples" / "local_tasks.jsonl"
 GROUP_SIZE = 4
@@ -64,8 +66,8 @@ PLANS: dict[str, tuple[SamplePlan, ...]] = {
     "bundled--form": (
         SamplePlan(True),
         SamplePlan(False),
-        SamplePlan(False, "browser_click", (1, 2, 3), "session lost on every attempt"),
-        SamplePlan(False, "browser_click", (1, 2, 3), "session lost on every attempt"),
+        SamplePlan(False, BROWSER_CLICK, (1, 2, 3), "session lost on every attempt"),
+        SamplePlan(False, BROWSER_CLICK, (1, 2, 3), "session lost on every attempt"),
     ),
     "bundled--home": (
         SamplePlan(True),
@@ -78,7 +80,7 @@ PLANS: dict[str, tuple[SamplePlan, ...]] = {
 
 def scripts_for(task_id: str, sample: int) -> Any:
     """The scripted policy's behaviour for one sample (correct or a plausible mistake)."""
-    from nemo_gym_browser.testing import scripted_policy as sp
+    from nemo_gym_browser.local import scripted_policy as sp
 
     correct = PLANS[task_id][sample].correct
     if task_id == "bundled--about":
@@ -99,12 +101,12 @@ def marker(task_id: str, sample: int) -> str:
 
 def fault_rule(plans: dict[int, SamplePlan]) -> Any:
     """A proxy rule that breaks the planned endpoint of the planned attempts of the planned samples."""
-    from nemo_gym_browser.testing.chaos_harness import parse_session_id
-    from nemo_gym_browser.testing.faults import Fault
+    from nemo_gym_browser.local.faults.kinds import Fault
+    from nemo_gym_browser.session_ids import parse_session_id
 
     faults = {
         "seed_session": Fault.status(503),
-        "browser_click": Fault.lose_session(),
+        BROWSER_CLICK: Fault.lose_session(),
         "verify": Fault.status(503),
     }
 
@@ -189,10 +191,10 @@ async def roll_out(server_url: str, samples: list[dict[str, Any]], scripts: dict
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     from nemo_gym_browser.browser_agent_loop import close_shared_clients
-    from nemo_gym_browser.testing.scripted_policy import ScriptedPolicy
-    from nemo_gym_browser.testing.tokenizer import build_test_tokenizer, save_test_model
+    from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer, save_tokenizer_and_config
+    from nemo_gym_browser.local.scripted_policy import ScriptedPolicy
 
-    model_dir = save_test_model(workdir / "model")
+    model_dir = save_tokenizer_and_config(workdir / "model")
     config = compose_recipe_config(
         [
             f"actor_rollout_ref.model.path={model_dir}",
@@ -206,7 +208,7 @@ async def roll_out(server_url: str, samples: list[dict[str, Any]], scripts: dict
             "++nemo_gym_browser.episode_deadline_s=120",
         ]
     )
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     with contextlib.redirect_stdout(io.StringIO()):  # verl prints the tool schemas it loads
         worker = AgentLoopWorker(config, ScriptedPolicy(tokenizer, scripts))
     try:
@@ -305,7 +307,7 @@ def check(output: Any, plans: dict[int, SamplePlan], recipe: list[float], config
 
 
 async def rehearse(server_url: str, workdir: Path) -> int:
-    from nemo_gym_browser.testing.fault_proxy import FaultProxy
+    from nemo_gym_browser.local.faults.proxy import FaultProxy
 
     rows = bundled_rows(workdir)
     samples, plans, scripts = group_rows(rows)

@@ -24,6 +24,8 @@ from typing import Any
 
 import aiohttp
 
+from .browser_calls import BROWSER_OBSERVE
+
 # The server's answers nest a few levels (verify echoes the request body we sent); far deeper is not its answer.
 MAX_JSON_DEPTH = 64
 NO_SESSION_ERROR = "no active session; seed_session must be called first"
@@ -100,7 +102,7 @@ def lost_session_reason(tool: str, arguments: Mapping[str, Any], error: str) -> 
     shape = _TOOL_ERROR.match(error)
     if shape is None:
         return None
-    if tool == "browser_observe" and shape.group(1) == "observe":
+    if tool == BROWSER_OBSERVE and shape.group(1) == "observe":
         return f"observe takes no argument, so its failure is the browser's: {error}"
     first_line = _without_arguments(error[shape.end() :].split("\n", 1)[0], arguments)
     opening = first_line[_LEAD_IN.match(first_line).end() :].lower()  # type: ignore[union-attr]

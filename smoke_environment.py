@@ -23,13 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.environment import (
-    EnvironmentClient,
-    EnvironmentFailure,
-    FailureKind,
-    ToolResult,
-    validate_verifier_metadata,
-)
+from nemo_gym_browser.environment import EnvironmentClient, ToolResult, validate_verifier_metadata
+from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
 from nemo_gym_browser.settings import EnvironmentConfig
 
 # The server's own bundled example: a relative start URL resolves under the server's folder.

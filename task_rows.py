@@ -11,11 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .environment import TOOL_NAMES
+from .browser_calls import (
+    ACTIONS,
+    BROWSER_CLICK,
+    BROWSER_FINISH,
+    BROWSER_NAVIGATE,
+    BROWSER_OBSERVE,
+    BROWSER_TYPE,
+    SINGLE_TOOL_NAME,
+    TOOL_NAMES,
+)
 from .tasks import REFERENCE_FIELDS, Task
 
 DATA_SOURCE = "webvoyager"  # the rows' data_source: verl keys validation metrics by it (val-core/<source>/...)
-BROWSER_TOOL = "browser"
 TOOL_INTERFACES = ("browser", "native")
 
 SYSTEM_PROMPT_BROWSER = """\
@@ -73,11 +81,11 @@ def _function_tool(name: str, description: str, properties: dict[str, Any], requ
 _ELEMENT_ID = {"type": "integer", "description": "An element id from the latest observation."}
 BROWSER_TOOL_SCHEMAS = [
     _function_tool(
-        BROWSER_TOOL,
+        SINGLE_TOOL_NAME,
         "Operate the web browser: observe the page, navigate to a URL, click or type into an element, or finish "
         "with the answer.",
         {
-            "action": {"type": "string", "enum": ["observe", "navigate", "click", "type", "finish"]},
+            "action": {"type": "string", "enum": list(ACTIONS)},
             "url": {"type": "string", "description": "navigate: the URL to open."},
             "element_id": {**_ELEMENT_ID, "description": "click, type: " + _ELEMENT_ID["description"]},
             "text": {"type": "string", "description": "type: the text to enter."},
@@ -87,16 +95,16 @@ BROWSER_TOOL_SCHEMAS = [
     )
 ]
 NATIVE_TOOL_SCHEMAS = [
-    _function_tool("browser_observe", "Show the current page: URL, title, interactive elements and text.", {}, []),
-    _function_tool("browser_navigate", "Open a URL.", {"url": {"type": "string"}}, ["url"]),
-    _function_tool("browser_click", "Click an element.", {"element_id": _ELEMENT_ID}, ["element_id"]),
+    _function_tool(BROWSER_OBSERVE, "Show the current page: URL, title, interactive elements and text.", {}, []),
+    _function_tool(BROWSER_NAVIGATE, "Open a URL.", {"url": {"type": "string"}}, ["url"]),
+    _function_tool(BROWSER_CLICK, "Click an element.", {"element_id": _ELEMENT_ID}, ["element_id"]),
     _function_tool(
-        "browser_type",
+        BROWSER_TYPE,
         "Type text into an element.",
         {"element_id": _ELEMENT_ID, "text": {"type": "string"}},
         ["element_id", "text"],
     ),
-    _function_tool("browser_finish", "End the task and report the answer.", {"answer": {"type": "string"}}, ["answer"]),
+    _function_tool(BROWSER_FINISH, "End the task and report the answer.", {"answer": {"type": "string"}}, ["answer"]),
 ]
 assert tuple(tool["name"] for tool in NATIVE_TOOL_SCHEMAS) == TOOL_NAMES
 
@@ -108,7 +116,7 @@ def tool_interface_of(names: Iterable[str]) -> str | None:
     submit script's ``TOOL_INTERFACE`` picks the tool config with the same names.
     """
     named = set(names)
-    if named == {BROWSER_TOOL}:
+    if named == {SINGLE_TOOL_NAME}:
         return "browser"
     if named == set(TOOL_NAMES):
         return "native"

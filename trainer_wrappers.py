@@ -108,9 +108,10 @@ def _warn_ignored_once(adv_estimator: Any) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(
-            "nemo_gym_browser: batch carries %s but estimator %s is not grpo/grpo_env_aware; flags ignored",
+            "nemo_gym_browser: batch carries %s but estimator %s is not grpo/%s; flags ignored",
             FLAG_KEY,
             _estimator_name(adv_estimator),
+            ESTIMATOR_NAME,
         )
 
 

@@ -27,7 +27,7 @@ GRPO_EPS = 1e-6
 # ----- reading ------------------------------------------------------------------------------------------------
 
 
-class InputError(Exception):
+class PageInputError(Exception):
     """A folder, record or advantage log the page cannot be built from (exit status 2)."""
 
 
@@ -35,7 +35,7 @@ def load_records(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every record under ``folder`` (``step-*/*.jsonl``, any depth), in file and line order."""
     root = Path(folder)
     if not root.is_dir():
-        raise InputError(f"{root}: not a folder (expected the trajectory_dir of a run)")
+        raise PageInputError(f"{root}: not a folder (expected the trajectory_dir of a run)")
     records = []
     for path in sorted(root.rglob("*.jsonl")):
         with path.open(encoding="utf-8") as lines:
@@ -45,12 +45,12 @@ def load_records(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise InputError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+                    raise PageInputError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
                 if not isinstance(record, dict) or "episode_id" not in record or "flags" not in record:
-                    raise InputError(f"{path}:{number}: not a trajectory record (no episode_id or flags)")
+                    raise PageInputError(f"{path}:{number}: not a trajectory record (no episode_id or flags)")
                 records.append(record)
     if not records:
-        raise InputError(f"{root}: no trajectory records (*.jsonl) found; was trajectory_dir set for the run?")
+        raise PageInputError(f"{root}: no trajectory records (*.jsonl) found; was trajectory_dir set for the run?")
     return records
 
 
@@ -72,7 +72,7 @@ def load_advantage_log(path: str | os.PathLike[str]) -> dict[str, LoggedAdvantag
     """
     log = Path(path)
     if not log.is_file():
-        raise InputError(f"{log}: no such advantage log (written when NEMO_GYM_BROWSER_ADVANTAGE_LOG is set)")
+        raise PageInputError(f"{log}: no such advantage log (written when NEMO_GYM_BROWSER_ADVANTAGE_LOG is set)")
     finals: dict[str, tuple[int, dict[str, Any]]] = {}
     counts: dict[str, int] = {}
     with log.open(encoding="utf-8") as lines:
@@ -90,7 +90,7 @@ def load_advantage_log(path: str | os.PathLike[str]) -> dict[str, LoggedAdvantag
                     if session_key not in finals or position >= finals[session_key][0]:
                         finals[session_key] = (position, sample)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise InputError(
+                raise PageInputError(
                     f"{log}:{number}: not an advantage-log line ({{'step', 'samples': [{{'key', 'advantage', "
                     f"'score', ...}}]}}): {type(exc).__name__}: {exc}"
                 ) from None
@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         records = load_records(args.folder)
         advantages = load_advantage_log(args.advantages) if args.advantages else None
-    except (InputError, OSError, UnicodeDecodeError) as exc:
+    except (PageInputError, OSError, UnicodeDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     groups = build_groups(records, advantages)

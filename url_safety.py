@@ -39,11 +39,8 @@ import socket
 import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import unquote, unquote_to_bytes
-
-if TYPE_CHECKING:
-    from .settings import UrlPolicy
 
 from .text import shorten
 
@@ -298,10 +295,23 @@ async def system_resolver(host: str, port: int) -> list[str]:
 # ----- the guard ----------------------------------------------------------------------------------------------
 
 
+class GuardPolicy(Protocol):
+    """What the guard reads of the operator's policy (:class:`~nemo_gym_browser.settings.UrlPolicy` has it)."""
+
+    @property
+    def allow_private_networks(self) -> bool: ...
+    @property
+    def allowlist(self) -> tuple[str, ...]: ...
+    @property
+    def resolve_hostnames(self) -> bool: ...
+    @property
+    def dns_timeout_s(self) -> float: ...
+
+
 class UrlGuard:
     """Decides one episode's navigations. Built per episode from the operator's policy and the task's start URL."""
 
-    def __init__(self, policy: UrlPolicy, start_url: str | None = None, *, resolver: Resolver | None = None) -> None:
+    def __init__(self, policy: GuardPolicy, start_url: str | None = None, *, resolver: Resolver | None = None) -> None:
         self.policy = policy
         self._rules = [_AllowRule.parse(entry) for entry in policy.allowlist]
         self._resolver = resolver or system_resolver
@@ -360,7 +370,7 @@ class UrlGuard:
     async def _resolve(self, host: str, port: int) -> list[IPAddress]:
         try:
             answers = await asyncio.wait_for(self._resolver(host.rstrip("."), port), self.policy.dns_timeout_s)
-        except (OSError, UnicodeError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, UnicodeError) as exc:
             raise UrlRefused(f"the host {host} could not be resolved") from exc
         addresses: list[IPAddress] = []
         for answer in answers:

@@ -5,7 +5,7 @@ Two targets, each run through ``testing/chaos_harness.py``:
 * ``fake``: several in-process fake ``interactive_browser`` servers (scale: hundreds of rollouts, 64 sessions per
   server at once), faults injected by the fakes themselves;
 * ``real``: the real NeMo Gym 0.7.0 server with Chromium (``launch_environment.LocalEnvironment``, needs
-  ``bash scripts/setup_environment.sh``) behind the loopback fault proxy ``testing/fault_proxy.py``; the kill
+  ``bash scripts/setup_environment.sh``) behind the loopback fault proxy ``local/faults/proxy.py``; the kill
   phase really stops the server and its Chromium and starts new ones on the same port.
 
 Each target runs three phases: (1) every rollout gets one cause for its first attempt, all at once: a targeted

@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.local import injected_faults as inj
 from nemo_gym_browser.local import main_ppo_process as mp
 from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import shop_tasks
 from nemo_gym_browser.local import training_run as tr
+from nemo_gym_browser.local.faults import injected as inj
 from nemo_gym_browser.prepare_webvoyager_data import prepare_rows
 from nemo_gym_browser.testing.benchmarking import header
 

@@ -2,7 +2,7 @@
 
 Each cell runs episodes of exactly N policy steps (a scripted policy: observe, click, observe ... then finish)
 through the recipe's real ``BrowserToolAgentLoop`` (built as verl's ``AgentLoopWorker`` builds it, on verl's
-prompt builder and tool path) against the fake environment server in its own process, once per mode. The fake
+prompt builder and tool path) against the in-process environment server in its own process, once per mode. The fake
 site's two pages are at the real server's caps (50 elements with 80-character names, 2000 characters of text), so
 every observation is as long as a busy real page's:
 
@@ -55,7 +55,7 @@ SERVER_START_TIMEOUT_S = 60.0
 
 
 def busy_site():  # the fake server's Site: index and about pages at the observation caps, linking to each other
-    from nemo_gym_browser.testing import fake_site as fe
+    from nemo_gym_browser.local.environment_server import site_model as fe
 
     base = fe.BUNDLED_ROOT + "site/"
     filler = [f"Item {i}: " + ("a detailed product or article name " * 3) for i in range(ELEMENTS - 2)]
@@ -71,10 +71,10 @@ def busy_site():  # the fake server's Site: index and about pages at the observa
 
 
 def _serve(ports, stop) -> None:  # child process: the fake server on the busy site until told to stop
-    from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+    from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 
     async def serve() -> None:
-        async with FakeEnvironmentServer(busy_site()) as server:
+        async with InProcessEnvironmentServer(busy_site()) as server:
             ports.put(server.port)
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
 
@@ -92,7 +92,7 @@ def busy_server() -> Iterator[str]:
         try:
             port = ports.get(timeout=SERVER_START_TIMEOUT_S)
         except queue.Empty:
-            raise RuntimeError("the fake environment process did not start") from None
+            raise RuntimeError("the in-process environment server process did not start") from None
         yield f"http://127.0.0.1:{port}"
     finally:
         stop.set()
@@ -122,17 +122,12 @@ def parse_lengths(text: str) -> list[int]:
 
 async def measure(url: str, lengths: Sequence[int], episodes: int, stepwise: dict) -> list[Cell]:
     from nemo_gym_browser.browser_agent_loop import close_shared_clients
-    from nemo_gym_browser.testing import scripted_policy as sp
+    from nemo_gym_browser.local import scripted_policy as sp
+    from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
+    from nemo_gym_browser.local.in_process_loop import agent_loop_entry, compose_trainer_config, load_tools, make_row
     from nemo_gym_browser.testing import stepwise_policy as swp
-    from nemo_gym_browser.testing.agent_loop_harness import (
-        agent_loop_entry,
-        compose_trainer_config,
-        load_tools,
-        make_row,
-    )
-    from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     config = compose_trainer_config(
         response_length=RESPONSE_LENGTH,
         prompt_length=PROMPT_LENGTH,

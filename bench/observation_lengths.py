@@ -2,7 +2,7 @@
 
 Observations are read with the recipe's own environment client (seed, observe, close) from:
 
-* the fake server's pages (the real server's bundled ``site/``, as ``testing/fake_environment.py`` serves it);
+* the fake server's pages (the real server's bundled ``site/``, as ``local/environment_server/server.py`` serves it);
 * with ``--real``: the real nemo-gym 0.7.0 server with headless Chromium (``launch_environment.py``) on the test
   site (``local/site``: home, about, results and the 24 shop pages), and on a generated page at the server's
   caps (60 links with long names, several thousand characters of text: the server keeps 50 elements of at most
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.environment_server.site_model import BUNDLED_INITIAL_URL
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import header, write_report
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.fake_site import BUNDLED_INITIAL_URL
 
 EXAMPLES = """\
 examples:
@@ -152,7 +152,7 @@ async def real_environment() -> AsyncIterator[tuple[str, str, str]]:
 
 async def measure(real: bool) -> list[tuple[str, str, str]]:
     found: list[tuple[str, str, str]] = []
-    async with FakeEnvironmentServer() as fake:
+    async with InProcessEnvironmentServer() as fake:
         for page in (BUNDLED_INITIAL_URL, "site/about.html", "site/form.html"):
             found += [("fake server", url, text) for url, text in await observe_pages(fake.url, [page])]
     if real:

@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.placement import Placement, StaticSharePlacement, static_share
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import describe_machine, header
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 from nemo_gym_browser.testing.private_ray import private_ray
 
 START = "site/index.html"
@@ -146,7 +146,7 @@ class Run:
     freed_after_kill_s: float | None = None  # until the last of them was closed (None: never, within the wait)
 
 
-def open_by(servers: list[FakeEnvironmentServer], prefix: str) -> int:
+def open_by(servers: list[InProcessEnvironmentServer], prefix: str) -> int:
     return sum(session.startswith(prefix) for server in servers for session in server.open_session_ids)
 
 
@@ -155,7 +155,7 @@ async def run_batch(
 ) -> Run:
     import ray
 
-    servers = [FakeEnvironmentServer(latency_s=args.latency) for _ in range(args.servers)]
+    servers = [InProcessEnvironmentServer(latency_s=args.latency) for _ in range(args.servers)]
     for server in servers:
         await server.start()
     run = Run(design=design, killed=kill)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     parser.add_argument("--workers", type=int, default=8, help="rollout worker processes (8)")
-    parser.add_argument("--servers", type=int, default=4, help="fake environment servers (4)")
+    parser.add_argument("--servers", type=int, default=4, help="in-process environment servers (4)")
     parser.add_argument("--cap", type=int, default=4, help="max_sessions_per_server (4)")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per worker (8)")
     parser.add_argument("--group", type=int, default=4, help="samples per prompt, adjacent in the batch (4)")

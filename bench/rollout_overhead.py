@@ -2,7 +2,7 @@
 
 Each episode is the recipe's real ``BrowserToolAgentLoop`` (built per episode from ``configs/agent_loop.yaml`` by
 ``hydra.utils.instantiate``, as verl's ``AgentLoopWorker`` builds it), driven by an instant scripted policy
-(``testing/scripted_policy.py``) against a fake ``interactive_browser`` server with a fixed per-call latency that
+(``local/scripted_policy.py``) against a fake ``interactive_browser`` server with a fixed per-call latency that
 runs in its own process, as a deployed server does. An episode is ``--steps`` browser actions (observe ... click
 "About", finish), so ``steps + 3`` environment calls with the seed, the verify and the close.
 
@@ -55,15 +55,10 @@ from verl.tools.schemas import ToolResponse
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.browser_tool import default_tool_schema
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import (
-    agent_loop_entry,
-    compose_trainer_config,
-    load_tools,
-    make_row,
-)
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
+from nemo_gym_browser.local.in_process_loop import agent_loop_entry, compose_trainer_config, load_tools, make_row
 from nemo_gym_browser.testing.benchmarking import LoopFactory, fake_environment_process, header, write_report
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 VERIFIER = {"url_contains": "about.html"}
@@ -365,7 +360,7 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "rollout_overhead.json"
 async def measure(
     url: str, *, concurrencies: list[int], steps: int, rounds: int, min_episodes: int, memory: bool
 ) -> list[Result]:
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     raw = RawRunner(url, steps)
     runners = {
         "raw": raw,

@@ -1,9 +1,10 @@
-"""How well a tiny policy does: its success on task samples through the recipe's real loop, against the fake server.
+"""How well a tiny policy does: its success on task samples through the recipe's real loop, against the in-process
+environment server.
 
 :func:`evaluate` serves the policy folder with an in-process ``hfcpu`` rollout server (:class:`PolicyServer`) and
-plays every sample through ``BrowserToolAgentLoop`` against the fake environment server, per split and temperature;
-it also counts the turns that are one well-formed ``browser`` call (:func:`is_tool_call`). The fake server and the
-loop's shared HTTP clients are closed when it ends, however it ends.
+plays every sample through ``BrowserToolAgentLoop`` against the in-process environment server, per split and
+temperature; it also counts the turns that are one well-formed ``browser`` call (:func:`is_tool_call`). The
+environment server and the loop's shared HTTP clients are closed when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Any
 
 import torch
 
+from ..browser_calls import ACTIONS, SINGLE_TOOL_NAME
 from . import shop_tasks
 from .policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = frozenset({"observe", "navigate", "click", "type", "finish"})
 # A demonstration's turns run to ~30 tokens each; a generated turn longer than this is not a tool call any more.
 MAX_TURN_TOKENS = 96
 
@@ -76,7 +77,7 @@ def is_tool_call(text: str) -> bool:
     except json.JSONDecodeError:
         return False
     arguments = call.get("arguments") if isinstance(call, dict) else None
-    return call.get("name") == "browser" and isinstance(arguments, dict) and arguments.get("action") in ACTIONS
+    return call.get("name") == SINGLE_TOOL_NAME and isinstance(arguments, dict) and arguments.get("action") in ACTIONS
 
 
 @dataclass
@@ -104,13 +105,14 @@ async def evaluate(
     max_turn_tokens: int = MAX_TURN_TOKENS,
     max_assistant_turns: int = 8,
 ) -> list[EvaluationResult]:
-    """Success of the policy in ``model_dir`` on each split's samples, through the real loop against the fake server.
+    """Success of the policy in ``model_dir`` on each split's samples, through the real loop, against the in-process
+    environment server.
 
     Sampled episodes (``temperature > 0``) run ``episodes_per_task`` times per task; greedy ones once.
     """
     from ..browser_agent_loop import close_shared_clients
-    from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from ..testing.fake_environment import FakeEnvironmentServer
+    from .environment_server.server import InProcessEnvironmentServer
+    from .in_process_loop import build_loop, compose_trainer_config, load_tools
 
     records = shop_tasks.records_by_id()
     config = compose_trainer_config(
@@ -122,7 +124,7 @@ async def evaluate(
     policy = PolicyServer(model_dir, seed=seed)
     results = []
     try:
-        async with FakeEnvironmentServer(site=shop_tasks.fake_site()) as server:
+        async with InProcessEnvironmentServer(site=shop_tasks.in_process_site()) as server:
             for temperature in temperatures:
                 sampling = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "max_tokens": max_turn_tokens}
                 for split, split_samples in samples.items():

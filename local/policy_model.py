@@ -1,6 +1,6 @@
 """The tiny policy's model and tokenizer: a small Qwen2 causal LM made from a config, nothing downloaded.
 
-:func:`policy_tokenizer` is the in-process tokenizer of :mod:`nemo_gym_browser.testing.tokenizer` (hermes tool-call
+:func:`policy_tokenizer` is the in-process tokenizer of :mod:`nemo_gym_browser.local.chat_tokenizer` (hermes tool-call
 chat template) with its vocabulary trained on the Corner Shop's prompts, pages and tool calls too, so an item name is
 one token and an episode costs about half the tokens. :func:`build_model` makes a ``Qwen2ForCausalLM`` of the shape
 :class:`ModelSpec` names, seeded: the same seed gives the same initial weights. CPU only.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from ..testing.tokenizer import build_test_tokenizer
 from . import shop_tasks
+from .chat_tokenizer import build_chat_tokenizer
 from .shop_scripts import DONE_ANSWER, call
 
 # The loop renders observations of up to 8192 characters; the shop's are ~150-350, so episodes stay short.
@@ -44,7 +44,7 @@ def corpus_lines() -> list[str]:
     lines = SYSTEM_PROMPT_BROWSER.splitlines()
     for record in shop_tasks.records_by_id().values():
         lines.append(USER_PROMPT.format(question=record["ques"], site=record["web_name"], url=record["web"]))
-    site = shop_tasks.fake_site()
+    site = shop_tasks.in_process_site()
     for url in site.urls:
         page = site.page(url)
         lines += [f"URL: {url}", f"TITLE: {page.title}", "ELEMENTS:"]
@@ -65,7 +65,7 @@ def corpus_lines() -> list[str]:
 
 
 def policy_tokenizer() -> PreTrainedTokenizerFast:
-    return build_test_tokenizer(extra_corpus=corpus_lines())
+    return build_chat_tokenizer(extra_corpus=corpus_lines())
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, spec: ModelSpec, seed: int) -> Qwen2ForCausalLM:

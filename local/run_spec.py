@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..settings import DROP_INVALID_ENV
 from ..wiring import ESTIMATOR_NAME
-from .injected_faults import FaultSpec
+from .faults.injected import FaultSpec
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = RECIPE_DIR / "configs"
@@ -221,7 +222,7 @@ def process_environment(spec: RunSpec, base: Mapping[str, str] | None = None) ->
             "PYTHONPATH": os.pathsep.join(p for p in (str(RECIPE_DIR), env.get("PYTHONPATH", "")) if p),
             "VERL_FILE_LOGGER_PATH": str(spec.metrics_path),
             "NEMO_GYM_BROWSER_ADVANTAGE_LOG": str(spec.advantages_path),
-            "NEMO_GYM_BROWSER_DROP_INVALID": "1" if spec.drop_invalid and not spec.stock else "0",
+            DROP_INVALID_ENV: "1" if spec.drop_invalid and not spec.stock else "0",
             "NEMO_GYM_BROWSER_PATCHES": "0" if spec.stock else "1",
             "HYDRA_FULL_ERROR": "1",
             "RAY_USAGE_STATS_ENABLED": "0",  # Ray would otherwise report usage to an outside server

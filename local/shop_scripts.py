@@ -2,7 +2,7 @@
 wrongly some of the time.
 
 :func:`script_for` (lookup tasks) and :func:`deal_script` (deal tasks) turn a task record of :mod:`.shop_tasks`
-into a :mod:`~nemo_gym_browser.testing.scripted_policy` script that reads each observation it is shown and writes
+into a :mod:`~nemo_gym_browser.local.scripted_policy` script that reads each observation it is shown and writes
 the recipe's ``browser`` tool calls (:func:`call`); a :class:`Chooser` decides how often it picks the element the
 task names. Deterministic for a given ``Chooser`` rng and sequence of observations.
 """
@@ -15,7 +15,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..testing import scripted_policy as sp
+from ..browser_calls import SINGLE_TOOL_NAME
+from . import scripted_policy as sp
 from .shop_tasks import CATEGORIES, HELD_BACK_ITEMS, SALE_MARK, SEARCH_LABEL, deal_names, items
 
 # The answer the demonstrations give when the task asks for no value; graders of those kinds ignore it.
@@ -33,7 +34,7 @@ def call(action: str, **arguments: Any) -> str:
     the answer), so that what a demonstration copies from the context is the very token it finds there: the id
     ``3`` of ``[3] a: Mango``, the word ``mango`` of ``for "mango"``, the ``" 4"`` of ``Mango: 4 coins.``.
     """
-    return sp.tool_call("browser", json.dumps({"action": action, **arguments}, separators=(",", ":")))
+    return sp.tool_call(SINGLE_TOOL_NAME, json.dumps({"action": action, **arguments}, separators=(",", ":")))
 
 
 def elements(observation: str | None) -> list[tuple[int, str, str]]:

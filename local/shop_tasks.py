@@ -6,10 +6,10 @@ What this module owns
       ``examples/shop_tasks_train.jsonl`` and ``examples/shop_tasks_heldback.jsonl`` (:func:`task_records`).
       ``python -m nemo_gym_browser.local.shop_tasks --write`` regenerates them; ``--check`` fails when a committed
       file differs from what the catalogue renders.
-    * The same pages for the fake environment server (:func:`fake_site`): a
-      :class:`~nemo_gym_browser.testing.fake_site.Site` whose observations equal the real server's for every page
-      (checked against Chromium by the integration tier), including the search results page that the real site
-      builds with a script.
+    * The same pages for the in-process environment server (:func:`in_process_site`): a
+      :class:`~nemo_gym_browser.local.environment_server.site_model.Site` whose observations equal the real
+      server's for every page (checked against Chromium by the integration tier), including the search results
+      page that the real site builds with a script.
     * Serving the real pages (:func:`serve`): :class:`~.local_site.LocalSite` on :data:`SHOP_PORT`, the fixed
       loopback port the task files name.
 
@@ -34,9 +34,9 @@ The tasks
 
 Why a fixed port
     A task's start URL is absolute (``http://127.0.0.1:8765/shop/...``), so one task file serves the real server,
-    the fake server and a training run alike, and the prompts and observations a policy sees are the same in all
+    the in-process server and a training run alike, and the prompts and observations a policy sees are the same in all
     three (a free port would change the URL in every prompt from run to run). Only the real server needs the site
-    actually served there; the fake server answers from its page table. The start page's origin is honoured by
+    actually served there; the in-process server answers from its page table. The start page's origin is honoured by
     the recipe's URL guard, and the tasks need no navigation of the policy's own.
 """
 
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from ..testing.fake_site import Page, PageState, Site, button, link, text_input
+from .environment_server.site_model import Page, PageState, Site, button, link, text_input
 from .local_site import SITE_DIR, LocalSite
 
 logger = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ def render_pages() -> dict[str, str]:
     return pages
 
 
-# ----- the same pages for the fake server -----------------------------------------------------------------------
+# ----- the same pages for the in-process server -----------------------------------------------------------------------
 
 
 def _submit_search(page: PageState) -> str:
@@ -356,7 +356,7 @@ def _search_page(query: str) -> Page:
 
 
 class ShopSite(Site):
-    """The fake server's copy of the shop: a page table, plus the search page computed from its query string."""
+    """The in-process server's copy of the shop: a page table, plus the search page computed from its query string."""
 
     def __init__(self, pages: Mapping[str, Page], *, origin: str, **kwargs: Any) -> None:
         super().__init__(pages, **kwargs)
@@ -373,8 +373,10 @@ class ShopSite(Site):
         return super().page(url)
 
 
-def fake_site(origin: str = SHOP_ORIGIN, *, base: Site | None = None, order_seed: int | str | None = None) -> ShopSite:
-    """The shop at ``origin`` for :class:`~.fake_environment.FakeEnvironmentServer`, over ``base``'s pages
+def in_process_site(
+    origin: str = SHOP_ORIGIN, *, base: Site | None = None, order_seed: int | str | None = None
+) -> ShopSite:
+    """The shop at ``origin`` for :class:`~.environment_server.server.InProcessEnvironmentServer`, over ``base``'s pages
     (default: the real server's bundled ``site/``, so the server's own example episode still works).
 
     ``order_seed``: list the sections on the home page and the items on each section page in a shuffled order

@@ -175,7 +175,7 @@ what build writes to --output:
   demonstrations, tokens per episode, timings and the loss of every step.
 
 what evaluate does:
-  runs every task of both files through the recipe's real agent loop against the fake environment server, the
+  runs every task of both files through the recipe's real agent loop against the in-process environment server, the
   model served by the hfcpu rollout server in-process; sampled (--temperature, default 1 and 0 = greedy), and
   prints the success rate per split and kind, the share of turns that were one well-formed tool call, and tokens
   per episode.
@@ -191,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nemo_gym_browser.local.tiny_policy",
         description="A tiny Qwen2 policy for the Corner Shop tasks. build: make the model and warm-start it on CPU "
-        "on demonstrations the scripted policy plays through the recipe's real agent loop against the fake "
+        "on demonstrations the scripted policy plays through the recipe's real agent loop against the in-process "
         "environment server (loss on exactly the tokens the loop marked as the model's). evaluate: measure its "
         "success through the same loop.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -3,7 +3,7 @@
 It assembles what a local run needs and runs it: the task rows (:func:`prepare_task_rows`), a warm-started tiny
 policy (:func:`tiny_policy_folder`, :func:`deal_policy_folder`), the Corner Shop behind a real ``interactive_browser``
 (:func:`shop_environment`, or in :func:`main` directly) with the fault proxy in front of it
-(:mod:`.injected_faults`), then :func:`.main_ppo_process.run_main_ppo` for a :class:`.run_spec.RunSpec`, printing
+(:mod:`.faults.injected`), then :func:`.main_ppo_process.run_main_ppo` for a :class:`.run_spec.RunSpec`, printing
 one line per step (:func:`summary_line`) as verl logs it. The environment server and the proxy are stopped when the
 run ends, however it ends.
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..task_rows import DATA_SOURCE
-from .injected_faults import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
+from ..wiring import INVALID_FRACTION_METRIC
+from .faults.injected import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
 from .main_ppo_process import read_step_metrics, run_main_ppo
 from .run_spec import (
     CPU_ROLLOUT,
@@ -48,7 +49,7 @@ SUMMARY_COLUMNS = (
     (SYNC_CHECK_KEY, "probs diff", "{:10.1e}"),
     ("env/invalid_rate", "invalid", "{:7.3f}"),
     ("env/resampled_rate", "resampled", "{:9.3f}"),
-    ("grpo_env_aware/invalid_fraction", "flagged", "{:7.3f}"),
+    (INVALID_FRACTION_METRIC, "flagged", "{:7.3f}"),
     (f"val-core/{DATA_SOURCE}/reward/mean@1", "held-back success", "{:17.3f}"),
 )
 
@@ -105,9 +106,9 @@ def shop_environment(kind: str = "real") -> Iterator[str]:
     from . import shop_tasks
 
     if kind == "fake":
-        from ..testing.fake_environment import FakeEnvironmentServer
+        from .environment_server.server import InProcessEnvironmentServer
 
-        with FakeEnvironmentServer(site=shop_tasks.fake_site()).run_in_thread() as fake:
+        with InProcessEnvironmentServer(site=shop_tasks.in_process_site()).run_in_thread() as fake:
             yield fake.url
     elif kind == "real":
         from ..launch_environment import LocalEnvironment

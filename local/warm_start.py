@@ -2,14 +2,14 @@
 
 :func:`collect_demonstrations` has the real ``BrowserToolAgentLoop`` play the scripted shop player
 (:mod:`.shop_scripts`) on task samples prepared by ``prepare_webvoyager_data.py`` like any user's task list
-(:func:`load_samples`), against the fake environment server; what is kept is exactly what the loop produced:
+(:func:`load_samples`), against the in-process environment server; what is kept is exactly what the loop produced:
 ``prompt_ids``, ``response_ids`` and ``response_mask``. :func:`warm_start` trains on the tokens the loop marked as the
 model's (``response_mask == 1``), never on the prompt or on tool responses. The demonstrations always act in the
 right format and order, on copies of the shop whose links are listed in a shuffled order, and pick the element the
 task names with probability ``correct`` (:class:`WarmStartSpec`), so which element to pick is left for RL to learn.
 
 Deterministic for a seed and a thread count: the same seed gives the same demonstrations and the same trained
-weights. The fake server and the loop's shared HTTP clients are closed when collecting ends, however it ends.
+weights. The environment server and the loop's shared HTTP clients are closed when collecting ends, however it ends.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from ..testing import scripted_policy as sp
+from . import scripted_policy as sp
 from . import shop_tasks
 from .policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
 from .shop_scripts import Chooser, deal_script, script_for
@@ -82,15 +82,15 @@ async def collect_demonstrations(
     guess: float = 0.0,
     shuffle: bool = True,
 ) -> list[Demonstration]:
-    """``per_task`` scripted episodes of each sample through the real loop against a fake environment server.
+    """``per_task`` scripted episodes of each sample through the real loop against a in-process environment server.
 
     With ``shuffle`` each round of episodes runs on a copy of the shop whose links are listed in another seeded
     order, so the element the task names is at a different position from round to round. A ``deal`` task answers
     at once from memory with probability ``guess`` (:func:`.shop_scripts.deal_script`).
     """
     from ..browser_agent_loop import close_shared_clients
-    from ..testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from ..testing.fake_environment import FakeEnvironmentServer
+    from .environment_server.server import InProcessEnvironmentServer
+    from .in_process_loop import build_loop, compose_trainer_config, load_tools
 
     records = shop_tasks.records_by_id()
     config = compose_trainer_config(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH)
@@ -99,8 +99,8 @@ async def collect_demonstrations(
     try:
         for repeat in range(per_task):
             # Each round plays every task on its own shuffled copy of the shop.
-            site = shop_tasks.fake_site(order_seed=f"{seed}:{repeat}" if shuffle else None)
-            async with FakeEnvironmentServer(site=site) as server:
+            site = shop_tasks.in_process_site(order_seed=f"{seed}:{repeat}" if shuffle else None)
+            async with InProcessEnvironmentServer(site=site) as server:
                 for sample in samples:
                     task_id = sample["extra_info"]["task_id"]
                     record = records[task_id]
@@ -120,7 +120,7 @@ async def collect_demonstrations(
                     output = await loop.run({}, **sample)
                     if output.extra_fields.get("env_invalid"):
                         failure = output.extra_fields.get("env_failure_reason")
-                        raise RuntimeError(f"the fake server failed a demonstration of {task_id}: {failure}")
+                        raise RuntimeError(f"the environment server failed a demonstration of {task_id}: {failure}")
                     demonstrations.append(
                         Demonstration(
                             task_id=task_id,

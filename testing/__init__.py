@@ -1,4 +1,2 @@
-"""Fakes that honour the real contracts: an in-process environment server, a scripted policy, a tokenizer.
-
-They ship with the package because tests, benchmarks and the local rehearsal all use them.
-"""
+"""What only tests and benchmarks use: the fake judge server, the chaos harness, the benchmark report writer, a
+private Ray instance, step-wise scripts and the WebVoyager files' location. Nothing a README command runs."""

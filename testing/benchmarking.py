@@ -4,7 +4,7 @@
   exact command, printed first by every benchmark: a figure is only worth something next to both.
 * :func:`write_report`: the same facts and the benchmark's figures as JSON, next to its plot (``bench/<name>.json``):
   the README quotes the committed JSON, so a figure and where it came from travel together.
-* :func:`fake_environment_process`: the fake environment server in a child process, as a deployed server runs
+* :func:`fake_environment_process`: the in-process environment server in a child process, as a deployed server runs
   apart from the rollout workers (its work must not share the measured event loop).
 * :class:`LoopFactory`: agent loops built per episode exactly as verl's ``AgentLoopWorker`` builds them.
 
@@ -126,7 +126,7 @@ def write_report(path: Path, settings: Mapping[str, Any], figures: Mapping[str, 
     print(f"figures: {os.path.relpath(path)}", flush=True)
 
 
-# ----- a fake environment server in its own process ----------------------------------------------------------
+# ----- a in-process environment server in its own process ----------------------------------------------------------
 
 # How long the child may take to import and bind, and to shut down when asked.
 _CHILD_START_TIMEOUT_S = 60.0
@@ -134,13 +134,13 @@ _CHILD_STOP_TIMEOUT_S = 10.0
 
 
 def _serve_fake_environment(latency_s: float, ports: Any, stop: Any) -> None:
-    """Child process body: run a FakeEnvironmentServer until ``stop`` is set, after sending its port."""
+    """Child process body: run a InProcessEnvironmentServer until ``stop`` is set, after sending its port."""
     import asyncio
 
-    from .fake_environment import FakeEnvironmentServer
+    from ..local.environment_server.server import InProcessEnvironmentServer
 
     async def serve() -> None:
-        async with FakeEnvironmentServer(latency_s=latency_s) as server:
+        async with InProcessEnvironmentServer(latency_s=latency_s) as server:
             ports.put(server.port)
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
 
@@ -149,7 +149,8 @@ def _serve_fake_environment(latency_s: float, ports: Any, stop: Any) -> None:
 
 @contextlib.contextmanager
 def fake_environment_process(latency_s: float) -> Iterator[str]:
-    """A :class:`~nemo_gym_browser.testing.fake_environment.FakeEnvironmentServer` in a child process; yields its URL.
+    """An :class:`~nemo_gym_browser.local.environment_server.server.InProcessEnvironmentServer` in a child process;
+    yields its URL.
 
     A deployed environment server runs in its own process (usually on another machine), so a benchmark of the
     client must not let the server's work share the client's event loop. The child is stopped on exit (asked
@@ -170,10 +171,10 @@ def fake_environment_process(latency_s: float) -> Iterator[str]:
                 break
             except queue.Empty:
                 if child.exitcode is not None:
-                    raise RuntimeError(f"the fake environment process exited with code {child.exitcode}") from None
+                    raise RuntimeError(f"the environment server process exited with code {child.exitcode}") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"the fake environment process did not start within {_CHILD_START_TIMEOUT_S:.0f} s"
+                        f"the in-process environment server process did not start within {_CHILD_START_TIMEOUT_S:.0f} s"
                     ) from None
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -191,7 +192,7 @@ class LoopFactory:
     """Builds one agent loop per episode exactly as verl 0.9.1's ``AgentLoopWorker._run_agent_loop`` does.
 
     verl reads the agent-loop YAML once and calls ``hydra.utils.instantiate`` on the entry for every sample with
-    these keyword arguments; so does :meth:`build`. (``agent_loop_harness.build_loop`` re-reads the YAML on each
+    these keyword arguments; so does :meth:`build`. (``in_process_loop.build_loop`` re-reads the YAML on each
     call, which is fine for a test and too slow to measure or to run hundreds of episodes with.)
     """
 
@@ -208,7 +209,7 @@ class LoopFactory:
         import hydra
         from verl.utils.dataset.rl_dataset import RLHFDataset
 
-        from .agent_loop_harness import HF_MODEL_TYPE
+        from ..local.in_process_loop import HF_MODEL_TYPE
 
         return hydra.utils.instantiate(
             config=self.entry,

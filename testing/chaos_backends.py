@@ -1,10 +1,10 @@
 """The servers a chaos run drives, and how faults reach them.
 
 :class:`FakeBackend`: in-process fake servers, faults injected by the fake itself (scale, offline).
-:class:`ProxiedBackend`: any servers behind :class:`~nemo_gym_browser.testing.fault_proxy.FaultProxy` (the real
+:class:`ProxiedBackend`: any servers behind :class:`~nemo_gym_browser.local.faults.proxy.FaultProxy` (the real
 NeMo Gym server; the fake too, to test the proxy path offline); killing a server stops its proxy, restarts the
 server behind it through a callback, and starts the proxy again. :func:`local_environment_backend` is the real
-server behind a proxy. Either way every call is asked about by one :class:`~nemo_gym_browser.testing.faults.Rule`
+server behind a proxy. Either way every call is asked about by one :class:`~nemo_gym_browser.local.faults.kinds.Rule`
 per server, which records it as a :class:`Hit` and carries out the fault the run aims at it.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .fake_environment import FakeEnvironmentServer
-from .fault_proxy import FaultProxy
-from .faults import HANG_LIMIT_S, Fault, Rule, SeenRequest
+from ..local.environment_server.server import InProcessEnvironmentServer
+from ..local.faults.kinds import HANG_LIMIT_S, Fault, Rule, SeenRequest
+from ..local.faults.proxy import FaultProxy
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class FakeBackend(Backend):
 
     def __init__(self, count: int, *, latency_s: float = 0.0, hang_s: float = 30.0, downtime_s: float = 0.3) -> None:
         super().__init__()
-        self.servers = [FakeEnvironmentServer(latency_s=latency_s) for _ in range(count)]
+        self.servers = [InProcessEnvironmentServer(latency_s=latency_s) for _ in range(count)]
         self.hang_s = hang_s
         self.downtime_s = downtime_s
 

@@ -34,9 +34,11 @@ from typing import Any
 
 from ..browser_agent_loop import close_shared_clients
 from ..judge import BinaryJudge, JudgeConfig
+from ..local import scripted_policy as sp
+from ..local.chat_tokenizer import build_chat_tokenizer
+from ..local.in_process_loop import agent_loop_entry, compose_trainer_config, load_tools, make_row
+from ..session_ids import parse_session_id
 from . import fake_judge as fj
-from . import scripted_policy as sp
-from .agent_loop_harness import agent_loop_entry, compose_trainer_config, load_tools, make_row
 from .benchmarking import LoopFactory
 from .chaos_backends import Backend, Hit
 from .chaos_plan import (
@@ -59,20 +61,11 @@ from .chaos_plan import (
     script_for,
 )
 from .chaos_report import ChaosReport, RolloutRecord
-from .tokenizer import build_test_tokenizer
 
 logger = logging.getLogger(__name__)
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 JUDGE_MODEL = "fake-judge"
-
-_SESSION_ID = re.compile(r"^r(?P<index>\d+)-[0-9a-f]+\.(?P<attempt>\d+)\.\d+$")
-
-
-def parse_session_id(session_id: str | None) -> tuple[int, int] | None:
-    """``(row index, attempt)`` of a session the recipe opened, from its id; None for anything else."""
-    match = _SESSION_ID.match(session_id or "")
-    return (int(match["index"]), int(match["attempt"])) if match else None
 
 
 class ChaosRun:
@@ -82,7 +75,7 @@ class ChaosRun:
         self.backend = backend
         self.settings = settings
         self.judge = judge
-        self.tokenizer = build_test_tokenizer()
+        self.tokenizer = build_chat_tokenizer()
         config = compose_trainer_config(
             overrides=[f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={settings.max_assistant_turns}"]
         )

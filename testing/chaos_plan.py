@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import scripted_policy as sp
+from ..local import scripted_policy as sp
 
 VERIFIER = {"url_contains": "about.html"}
 ANSWER = "ALPHA-42"

@@ -310,7 +310,7 @@ class FakeJudgeServer:
             if behaviour.action == "hang":
                 try:
                     await asyncio.wait_for(self._closing.wait(), _HANG_LIMIT_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 return _error(504, "hung", behaviour.shape)
             if behaviour.action == "disconnect":

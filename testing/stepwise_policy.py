@@ -1,4 +1,4 @@
-"""Scripts for :class:`~nemo_gym_browser.testing.scripted_policy.ScriptedPolicy` that also work in step-wise mode.
+"""Scripts for :class:`~nemo_gym_browser.local.scripted_policy.ScriptedPolicy` that also work in step-wise mode.
 
 What it gives
     A script of ``scripted_policy`` picks its next turn by ``PolicyView.turn`` (assistant turns already in the
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 
+from ..local import scripted_policy as sp
 from ..stepwise import STEP_HISTORY_HEADER
-from . import scripted_policy as sp
 
 _HISTORY = re.compile(re.escape(STEP_HISTORY_HEADER).replace(re.escape("{steps}"), r"(\d+)"))
 

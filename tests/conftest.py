@@ -31,14 +31,14 @@ def tq():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+    from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 
-    return build_test_tokenizer()
+    return build_chat_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def trainer_config():
-    from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config
+    from nemo_gym_browser.local.in_process_loop import compose_trainer_config
 
     return compose_trainer_config()
 
@@ -46,31 +46,31 @@ def trainer_config():
 @pytest.fixture(scope="module")
 def stepwise_trainer_config():
     """verl's config with a turn limit, as the recipe's always has: step-wise mode refuses to run without one."""
-    from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config
+    from nemo_gym_browser.local.in_process_loop import compose_trainer_config
 
     return compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=40"])
 
 
 @pytest.fixture(scope="module")
 def tools():
-    from nemo_gym_browser.testing.agent_loop_harness import load_tools
+    from nemo_gym_browser.local.in_process_loop import load_tools
 
     return load_tools()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from nemo_gym_browser.testing.tokenizer import save_test_model
+    from nemo_gym_browser.local.chat_tokenizer import save_tokenizer_and_config
 
-    return save_test_model(tmp_path_factory.mktemp("model"))
+    return save_tokenizer_and_config(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture
 async def server():
-    """A fake environment server; the loop's shared environment clients are closed after it."""
+    """A in-process environment server; the loop's shared environment clients are closed after it."""
     from nemo_gym_browser.browser_agent_loop import close_shared_clients
-    from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+    from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 
-    async with FakeEnvironmentServer() as fake:
+    async with InProcessEnvironmentServer() as fake:
         yield fake
     await close_shared_clients()

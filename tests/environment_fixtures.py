@@ -18,6 +18,6 @@ def config(*urls: str, **overrides) -> EnvironmentConfig:
 
 @pytest.fixture
 async def client(server):
-    """A client of the ``server`` fixture (conftest's fake environment server), closed after the test."""
+    """A client of the ``server`` fixture (conftest's in-process environment server), closed after the test."""
     async with EnvironmentClient(config(server.url)) as env:
         yield env

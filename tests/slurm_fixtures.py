@@ -593,10 +593,10 @@ def assert_nothing_left(job: FinishedJob, ports: list[int]) -> None:
 def write_recipe_inputs(folder: Path) -> Path:
     """The test model and six rows (two held back for validation) in ``folder``; every task carries
     ``verifier_metadata``, so a job with ``JUDGE_ENABLE=0`` can score them (or its checks stop it)."""
+    from nemo_gym_browser.local.chat_tokenizer import save_tokenizer_and_config
     from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
-    from nemo_gym_browser.testing.tokenizer import save_test_model
 
-    save_test_model(folder / "model")
+    save_tokenizer_and_config(folder / "model")
     tasks = folder / "tasks.jsonl"
     questions = ["What is the heading of the page?", "Report the page title.", "Summarise the page."]
     task = {"web_name": "Example", "web": "https://example.org/", "verifier_metadata": {"url_contains": "example.org"}}

@@ -1,4 +1,5 @@
-"""BrowserToolAgentLoop on verl 0.9.1's real ToolAgentLoop machinery, a scripted policy and the fake environment.
+"""BrowserToolAgentLoop on verl 0.9.1's real ToolAgentLoop machinery, a scripted policy and the in-process environment
+server.
 
 Every loop is built from ``configs/agent_loop.yaml`` by ``hydra.utils.instantiate`` with the keyword arguments
 verl's ``AgentLoopWorker`` passes, over verl's composed ``ppo_trainer`` config and tools loaded by verl's
@@ -17,12 +18,12 @@ import pytest
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
 from nemo_gym_browser import browser_agent_loop
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.environment_server.site_model import BUNDLED_ROOT
+from nemo_gym_browser.local.faults.kinds import Fault
+from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, load_tools, make_row
 from nemo_gym_browser.settings import DROP_INVALID_ENV, BrowserLoopSettings
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.fake_site import BUNDLED_ROOT
-from nemo_gym_browser.testing.faults import Fault
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 ABOUT = {"url_contains": "about.html"}
@@ -538,11 +539,11 @@ async def test_the_start_page_and_the_allow_list_are_honoured_for_navigation(h):
 
 
 async def test_an_http_start_url_allows_its_origin_and_nothing_else_on_loopback(h):
-    from nemo_gym_browser.testing.fake_site import Page, Site, link
+    from nemo_gym_browser.local.environment_server.site_model import Page, Site, link
 
     site = Site({"http://127.0.0.1:8123/a.html": Page(title="A", text="a", elements=(link("B", "b.html"),))})
     site = site.with_pages({"http://127.0.0.1:8123/b.html": Page(title="B", text="b")})
-    async with FakeEnvironmentServer(site) as own:
+    async with InProcessEnvironmentServer(site) as own:
         row = make_row(
             task="go", initial_url="http://127.0.0.1:8123/a.html", verifier_metadata={"url_contains": "b.html"}
         )

@@ -15,10 +15,11 @@ from verl.experimental.agent_loop.tool_parser import HermesToolParser
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
 from nemo_gym_browser.browser_agent_loop import BrowserToolAgentLoop, running_under_v1_trainer
-from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema, parse_tool_call
+from nemo_gym_browser.browser_calls import parse_tool_call
+from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema
 from nemo_gym_browser.episode import EpisodeSpec
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import (
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.in_process_loop import (
     AGENT_LOOP_YAML,
     build_loop,
     compose_trainer_config,

@@ -9,11 +9,11 @@ import pytest
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.faults import Fault
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.faults.kinds import Fault
+from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, load_tools, make_row
 
 ABOUT = {"url_contains": "about.html"}
 ROLLOUTS = 32
@@ -36,12 +36,12 @@ SCHEDULE = [
 @pytest.mark.parametrize("drop", [False, True])
 async def test_every_injected_fault_is_one_failed_attempt_of_its_kind_and_every_session_is_closed(drop, monkeypatch):
     monkeypatch.setenv("NEMO_GYM_BROWSER_DROP_INVALID", "1" if drop else "0")
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     config, tools = compose_trainer_config(), load_tools()
     scripts = {"walk": sp.walk_and_finish("About", "x"), "type": sp.steps(sp.observe(), sp.type_into("x", "y"))}
     v1 = {"uid": "u", "session_id": 0, "global_steps": 1}
 
-    async with FakeEnvironmentServer() as server:
+    async with InProcessEnvironmentServer() as server:
         rules = [(server.inject(endpoint, fault, on_call=n), kind) for endpoint, fault, n, kind in SCHEDULE]
         rules.append((server.inject("browser_type", Fault.status(503)), "server_error"))
         environment = {"server_urls": [server.url], "call_timeout_s": 0.5, "retry_backoff_s": 0.01}

@@ -13,8 +13,8 @@ import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.launch_environment import LocalEnvironment
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools, make_row
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, load_tools, make_row
 
 pytestmark = pytest.mark.integration
 

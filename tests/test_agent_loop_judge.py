@@ -8,10 +8,10 @@ import pytest
 
 from nemo_gym_browser import browser_agent_loop
 from nemo_gym_browser.judge import BinaryJudge
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.in_process_loop import build_loop, make_row
 from nemo_gym_browser.settings import JudgeConfig
 from nemo_gym_browser.testing import fake_judge as fj
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 
 SAMPLING = {"temperature": 1.0}
 OPEN_ENDED = make_row(

@@ -23,16 +23,11 @@ from verl.trainer.ppo.v1 import agent_loop_tq
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
 from nemo_gym_browser.episode_metrics import episode_metrics, metrics_from_columns
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import (
-    build_loop,
-    compose_trainer_config,
-    load_tools,
-    make_row,
-)
-from nemo_gym_browser.testing.fake_site import BUNDLED_ROOT
-from nemo_gym_browser.testing.faults import Fault
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
+from nemo_gym_browser.local.environment_server.site_model import BUNDLED_ROOT
+from nemo_gym_browser.local.faults.kinds import Fault
+from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, load_tools, make_row
 
 ABOUT = {"url_contains": "about.html"}
 
@@ -50,7 +45,7 @@ def batch_of(rows: list[dict], uid: str = "group-1") -> DataProto:
 
 async def run_group(server, model_dir) -> DataProto:
     """Three samples of one prompt group: one clean, one failing every attempt, one recovering on its second."""
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     config = compose_trainer_config(
         overrides=[
             f"actor_rollout_ref.model.path={model_dir}",
@@ -162,7 +157,7 @@ def test_episode_metrics_skip_samples_of_other_agent_loops_and_are_empty_without
 async def test_the_v1_workers_post_processing_stores_flagged_samples_and_skips_dropped_ones(
     server, model_dir, monkeypatch
 ):
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     config = compose_trainer_config(
         overrides=[
             f"actor_rollout_ref.model.path={model_dir}",

@@ -19,9 +19,9 @@ import ray
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 from verl.workers.rollout.router import get_router_handle
 
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.in_process_loop import build_loop, make_row
 from nemo_gym_browser.rollout_cancel import generate_within, track_rollout_requests
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
 from nemo_gym_browser.testing.private_ray import private_ray
 
 SAMPLING = {"temperature": 1.0, "logprobs": False}
@@ -35,9 +35,9 @@ class PausableRolloutServer:
     ``on_sample_end``); without, the pause began just before it and it is parked (or queued) until the resume."""
 
     def __init__(self) -> None:
-        from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+        from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 
-        self.policy = sp.ScriptedPolicy(build_test_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
+        self.policy = sp.ScriptedPolicy(build_chat_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
         self.configure()
 
     def configure(self, *, pause_at: int = 0, pause_s: float = 0.0, abort_in_flight: bool = True) -> None:

@@ -1,5 +1,5 @@
 """Step-wise mode of BrowserToolAgentLoop: one sample per policy step over a bounded prompt, on verl 0.9.1's real
-prompt builder and tool path, a scripted policy and the fake environment.
+prompt builder and tool path, a scripted policy and the in-process environment server.
 
 Loops are built from ``configs/agent_loop.yaml`` as verl's ``AgentLoopWorker`` builds them and called with the
 keyword arguments verl's V1 worker passes (``uid``, ``session_id``, ``global_steps``).
@@ -12,13 +12,13 @@ from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
 from nemo_gym_browser.episode_metrics import episode_metrics
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.faults.kinds import Fault
+from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, make_row
 from nemo_gym_browser.settings import BrowserLoopSettings
 from nemo_gym_browser.stepwise import LEGACY_STEPWISE_MESSAGE, STEP_HISTORY_HEADER
 from nemo_gym_browser.testing import fake_judge as fj
-from nemo_gym_browser.testing import scripted_policy as sp
 from nemo_gym_browser.testing import stepwise_policy as swp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, make_row
-from nemo_gym_browser.testing.faults import Fault
 
 SAMPLING = {"temperature": 1.0, "logprobs": True}
 ABOUT = {"url_contains": "about.html"}

@@ -11,10 +11,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from nemo_gym_browser.judge import BinaryJudge
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.in_process_loop import CONFIG_DIR, build_loop, compose_trainer_config, make_row
 from nemo_gym_browser.settings import JudgeConfig
 from nemo_gym_browser.testing import fake_judge as fj
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import CONFIG_DIR, build_loop, compose_trainer_config, make_row
 
 SAMPLING = {"temperature": 1.0}
 ANSWER = {"answer_equals": "ALPHA-42"}
@@ -134,7 +134,7 @@ def test_every_turn_of_the_recipes_budget_fits_its_response_length(recipe_config
 def test_the_agent_loop_keeps_observations_as_long_as_the_budget_assumes(recipe_config):
     from omegaconf import OmegaConf
 
-    from nemo_gym_browser.testing.agent_loop_harness import AGENT_LOOP_YAML
+    from nemo_gym_browser.local.in_process_loop import AGENT_LOOP_YAML
 
     (entry,) = OmegaConf.load(AGENT_LOOP_YAML)
     assert entry.max_tool_response_length == recipe_config.actor_rollout_ref.rollout.multi_turn.max_tool_response_length

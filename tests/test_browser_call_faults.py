@@ -1,8 +1,8 @@
 """Faults at browser calls hit an episode once per call it makes, as real infrastructure does, and never its answer.
 
-The rule (``injected_faults.browser_call_faults``) on its own: a deterministic draw per browser call, the rate it was
+The rule (``faults.injected.browser_call_faults``) on its own: a deterministic draw per browser call, the rate it was
 given, the endpoints it leaves alone. Then through the real agent loop, with a scripted policy, the real fault
-proxy and the fake environment server: a browsing episode hit at a browser call ends as an infrastructure failure
+proxy and the in-process environment server: a browsing episode hit at a browser call ends as an infrastructure failure
 of the kind injected and is re-run, an episode that finishes at once meets no fault.
 """
 
@@ -14,13 +14,13 @@ import random
 import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
-from nemo_gym_browser.local.injected_faults import browser_call_faults
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
-from nemo_gym_browser.testing.chaos_harness import parse_session_id
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.fault_proxy import FaultProxy
-from nemo_gym_browser.testing.faults import SeenRequest
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.faults.injected import browser_call_faults
+from nemo_gym_browser.local.faults.kinds import SeenRequest
+from nemo_gym_browser.local.faults.proxy import FaultProxy
+from nemo_gym_browser.local.in_process_loop import build_loop, make_row
+from nemo_gym_browser.session_ids import parse_session_id
 
 BROWSER_CALLS = ("browser_observe", "browser_navigate", "browser_click", "browser_type")
 NEVER_FAULTED = ("seed_session", "browser_finish", "verify", "close_session")
@@ -127,7 +127,7 @@ def first_attempts_only(rule):
 async def test_a_browsing_episode_hit_at_a_browser_call_is_resampled_and_one_that_answers_at_once_is_never_hit(
     kind, recorded, tokenizer, trainer_config, tools
 ) -> None:
-    async with FakeEnvironmentServer() as server, FaultProxy(server.url, upstream_timeout_s=10) as proxy:
+    async with InProcessEnvironmentServer() as server, FaultProxy(server.url, upstream_timeout_s=10) as proxy:
         proxy.set_rule(first_attempts_only(browser_call_faults(1.0, seed=0, kind=kind)))
         environment = {"server_urls": [proxy.url], "call_timeout_s": 0.5, "retry_backoff_s": 0.01}
         rows = [

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.testing.chaos_backends import FakeBackend, ProxiedBackend, local_environment_backend
 from nemo_gym_browser.testing.chaos_harness import run_chaos
 from nemo_gym_browser.testing.chaos_plan import (
@@ -29,7 +30,6 @@ from nemo_gym_browser.testing.chaos_plan import (
     ChaosSettings,
 )
 from nemo_gym_browser.testing.chaos_report import ChaosReport
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 FAST = ChaosSettings(
     call_timeout_s=1.0,
@@ -54,7 +54,7 @@ async def fakes(count: int):
 
 @contextlib.asynccontextmanager
 async def proxied_fakes(count: int):
-    servers = [FakeEnvironmentServer(latency_s=0.005) for _ in range(count)]
+    servers = [InProcessEnvironmentServer(latency_s=0.005) for _ in range(count)]
     for server in servers:
         await server.start()
 

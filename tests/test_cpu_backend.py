@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from verl.workers.config import RolloutConfig
 
+from nemo_gym_browser.local.chat_tokenizer import IM_END, build_chat_tokenizer
 from nemo_gym_browser.local.cpu_backend import (
     FORCE_ENV,
     PLUGIN_MODULE,
@@ -43,7 +44,6 @@ from nemo_gym_browser.local.cpu_backend.rollout import (
 from nemo_gym_browser.local.cpu_backend.sampling import UnsupportedSamplingParameter
 from nemo_gym_browser.local.cpu_backend.server import HFCpuServer, server_settings
 from nemo_gym_browser.local.cpu_backend.toy import save_random_policy
-from nemo_gym_browser.testing.tokenizer import IM_END, build_test_tokenizer
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 # Long enough that an uncancelled generation would run for tens of seconds, short of the 65536-token context.
@@ -153,7 +153,7 @@ async def test_generation_stops_at_an_end_of_sequence_id_from_the_generation_con
     for item in policy_dir.iterdir():
         (folder / item.name).write_bytes(item.read_bytes())
     generation = json.loads((folder / "generation_config.json").read_text())
-    generation["eos_token_id"] = [build_test_tokenizer().convert_tokens_to_ids(IM_END), stop_token]
+    generation["eos_token_id"] = [build_chat_tokenizer().convert_tokens_to_ids(IM_END), stop_token]
     (folder / "generation_config.json").write_text(json.dumps(generation))
     server = HFCpuServer(rollout_config(), model_config(folder))
 
@@ -480,7 +480,7 @@ async def test_a_weight_update_waits_for_the_batch_in_flight_and_no_response_mix
 
 @pytest.fixture(scope="module")
 def trainer_config(policy_dir):
-    from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config
+    from nemo_gym_browser.local.in_process_loop import compose_trainer_config
 
     config = compose_trainer_config(
         prompt_length=64,
@@ -616,7 +616,7 @@ def test_the_cpu_overrides_and_the_toy_run_compose_into_verls_trainer_config(tmp
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from nemo_gym_browser.testing.agent_loop_harness import VERL_CONFIG_DIR
+    from nemo_gym_browser.local.in_process_loop import VERL_CONFIG_DIR
 
     GlobalHydra.instance().clear()
     try:

@@ -25,9 +25,10 @@ from verl.utils.dataset.rl_dataset import collate_fn
 
 from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser import task_rows
-from nemo_gym_browser.dataset import AGENT_NAME, EPISODE_TOOLS, BrowserJSONLDataset, RowError
-from nemo_gym_browser.environment import TOOL_NAMES
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.browser_calls import TOOL_NAMES
+from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME
+from nemo_gym_browser.dataset import EPISODE_TOOLS, BrowserJSONLDataset, RowError
+from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 from nemo_gym_browser.testing.webvoyager import webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_prepared_rows_reach_the_agent_loop_kwargs_through_verls_hook_sampler_an
     assert sorted(indices.tolist()) != list(range(8))  # the seeded sampler shuffled
     for i in range(8):
         kwargs = {key: value[i] for key, value in batch.non_tensor_batch.items()}  # as AgentLoopWorker does
-        assert kwargs["agent_name"] == AGENT_NAME
+        assert kwargs["agent_name"] == AGENT_LOOP_NAME
         task_id = kwargs["extra_info"]["task_id"]
         assert task_id == train_ids[kwargs["index"]] == kwargs["tools_kwargs"]["browser"]["create_kwargs"]["task_id"]
         system, user = kwargs["raw_prompt"]
@@ -129,7 +130,7 @@ def test_the_v1_trainers_tensordict_carries_every_column_per_sample(prepared):
             elif isinstance(value, NonTensorStack):
                 prompt[key] = value[i].data
         assert prompt["uid"] == f"uid-{i}" and prompt["index"] == i
-        assert prompt["agent_name"] == AGENT_NAME
+        assert prompt["agent_name"] == AGENT_LOOP_NAME
         assert prompt["raw_prompt"] == dataset[i]["raw_prompt"]
         assert prompt["tools_kwargs"]["browser"]["create_kwargs"]["task_id"] == dataset[i]["extra_info"]["task_id"]
         assert prompt["agent_ref"] is None
@@ -191,7 +192,7 @@ def test_a_checkpointed_dataloader_resumes_with_the_next_batch(prepared):
 
 
 def test_the_prompt_renders_with_a_chat_template_and_the_browser_tool(prepared):
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     dataset = BrowserJSONLDataset([str(prepared / "val.jsonl")])
     schema = task_rows.BROWSER_TOOL_SCHEMAS[0]
     tools = [{"type": "function", "function": {key: schema[key] for key in ("name", "description", "parameters")}}]

@@ -11,16 +11,11 @@ import pytest
 from environment_fixtures import config
 
 from nemo_gym_browser import rows
-from nemo_gym_browser.environment import (
-    VERIFIER_KEYS,
-    EnvironmentClient,
-    EnvironmentFailure,
-    FailureKind,
-    validate_verifier_metadata,
-)
+from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient, validate_verifier_metadata
+from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.faults import Fault
 
 START = "site/index.html"
 ABOUT = {"url_contains": "about.html"}
@@ -425,7 +420,7 @@ async def test_tool_calls_after_close_are_session_lost(server, client):
 
 
 async def test_sessions_spread_over_servers_by_least_outstanding():
-    async with FakeEnvironmentServer() as a, FakeEnvironmentServer() as b:
+    async with InProcessEnvironmentServer() as a, InProcessEnvironmentServer() as b:
         async with EnvironmentClient(config(a.url, b.url)) as env:
             async with (
                 open_session(env, "r1") as s1,
@@ -454,7 +449,7 @@ async def test_the_per_server_cap_makes_a_new_session_wait_for_a_free_slot(serve
 
 
 async def test_a_server_that_stopped_answering_leaves_rotation_and_is_probed_back_in():
-    async with FakeEnvironmentServer() as a, FakeEnvironmentServer() as b:
+    async with InProcessEnvironmentServer() as a, InProcessEnvironmentServer() as b:
         async with EnvironmentClient(config(a.url, b.url, transient_retries=0)) as env:
             await a.stop()
             with pytest.raises(EnvironmentFailure) as caught:
@@ -471,7 +466,7 @@ async def test_a_server_that_stopped_answering_leaves_rotation_and_is_probed_bac
 
 
 async def test_a_full_healthy_server_is_waited_for_rather_than_a_server_out_of_rotation():
-    async with FakeEnvironmentServer() as a, FakeEnvironmentServer() as b:
+    async with InProcessEnvironmentServer() as a, InProcessEnvironmentServer() as b:
         async with EnvironmentClient(config(a.url, b.url, transient_retries=0, max_sessions_per_server=1)) as env:
             await a.stop()
             with pytest.raises(EnvironmentFailure) as caught:

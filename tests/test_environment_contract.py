@@ -12,9 +12,10 @@ import itertools
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind
+from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 START = "site/index.html"
 # A loopback port nothing listens on: a navigation that fails without any traffic leaving the machine.
@@ -25,7 +26,7 @@ _rollouts = itertools.count()
 @pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.integration)])
 async def server_url(request):
     if request.param == "fake":
-        async with FakeEnvironmentServer() as fake:
+        async with InProcessEnvironmentServer() as fake:
             yield fake.url
     else:
         yield request.getfixturevalue("real_environment").url

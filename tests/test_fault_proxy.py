@@ -13,11 +13,12 @@ import json
 import aiohttp
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig, EnvironmentFailure, FailureKind
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.fake_wire import COOKIE_NAME
-from nemo_gym_browser.testing.fault_proxy import FaultProxy, session_id_from_cookie
-from nemo_gym_browser.testing.faults import Fault
+from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.environment_server.wire import COOKIE_NAME
+from nemo_gym_browser.local.faults.kinds import Fault
+from nemo_gym_browser.local.faults.proxy import FaultProxy, session_id_from_cookie
 
 ABOUT = {"url_contains": "about.html"}
 _rollouts = itertools.count()
@@ -25,7 +26,7 @@ _rollouts = itertools.count()
 
 @pytest.fixture
 async def fake():
-    async with FakeEnvironmentServer() as server:
+    async with InProcessEnvironmentServer() as server:
         yield server
 
 

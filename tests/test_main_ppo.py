@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_browser.local import injected_faults as inj
 from nemo_gym_browser.local import main_ppo_process as mp
 from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import training_run as tr
+from nemo_gym_browser.local.faults import injected as inj
 from nemo_gym_browser.rehearsal import expected_advantages
 
 pytestmark = pytest.mark.integration

@@ -1,8 +1,8 @@
 """The per-server session cap holds per server across worker processes, not per process.
 
 Two real Ray actors (two worker processes, as verl's ``AgentLoopWorker``s are) open sessions through their own
-``EnvironmentClient`` on one fake environment server in this process; the server itself counts the browsers open at
-once. Leases of a worker that dies are reclaimed and its browsers closed; a cancelled wait leaks no lease. The static
+``EnvironmentClient`` on one in-process environment server in this process; the server itself counts the browsers open
+at once. Leases of a worker that dies are reclaimed and its browsers closed; a cancelled wait leaks no lease. The static
 per-worker share holds the cap without any process talking to another (offline: several workers in one loop).
 """
 
@@ -14,10 +14,11 @@ import uuid
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure
+from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.failures import EnvironmentFailure
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.placement import Grant, PlacementAuthority, SessionTicket, StaticSharePlacement, static_share
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 START = "site/index.html"
 RAY_TIMEOUT_S = 120
@@ -156,7 +157,7 @@ async def test_a_server_reported_down_gets_sessions_only_when_no_other_is_in_rot
 
 @pytest.fixture
 async def server():
-    async with FakeEnvironmentServer() as fake:
+    async with InProcessEnvironmentServer() as fake:
         yield fake
 
 
@@ -196,7 +197,7 @@ async def test_the_leases_of_a_worker_that_died_come_back_and_its_browsers_are_c
 
 
 async def test_a_server_one_worker_found_down_is_out_of_rotation_for_the_other_worker_too(tq):
-    async with FakeEnvironmentServer() as down, FakeEnvironmentServer() as up:
+    async with InProcessEnvironmentServer() as down, InProcessEnvironmentServer() as up:
         holder = session_holder_actor()
         first, second = (holder.remote([down.url, up.url], 4, 30.0) for _ in range(2))
         await down.stop()

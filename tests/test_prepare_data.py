@@ -23,7 +23,7 @@ import pytest
 
 from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser import task_rows
-from nemo_gym_browser.environment import TOOL_NAMES
+from nemo_gym_browser.browser_calls import TOOL_NAMES
 from nemo_gym_browser.named_dates import check_dates, find_named_dates
 from nemo_gym_browser.testing.webvoyager import webvoyager_dir
 

@@ -1,5 +1,5 @@
 """The Corner Shop task suite: its files, its preparation like any WebVoyager list, and every task solved (and
-failed) by the scripted policy through the recipe's real agent loop against the fake environment server.
+failed) by the scripted policy through the recipe's real agent loop against the in-process environment server.
 
 The fake's shop is compared with Chromium's rendering of the real pages in ``test_shop_tasks_integration.py``.
 """
@@ -16,12 +16,12 @@ from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.dataset import BrowserJSONLDataset
 from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient
+from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local import shop_scripts
 from nemo_gym_browser.local import shop_tasks as st
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.in_process_loop import build_loop
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 FAST_ENV = {"call_timeout_s": 5.0, "seed_timeout_s": 5.0, "verify_timeout_s": 5.0, "close_timeout_s": 5.0}
 
@@ -108,7 +108,7 @@ async def test_every_task_is_solved_by_the_scripted_policy_through_the_loop_and_
     assert len(samples) == 24
     rewards: dict[bool, list[float]] = {False: [], True: []}
     try:
-        async with FakeEnvironmentServer(site=st.fake_site()) as server:
+        async with InProcessEnvironmentServer(site=st.in_process_site()) as server:
             for sample in samples:
                 record = records[sample["extra_info"]["task_id"]]
                 for wrong in (False, True):
@@ -135,7 +135,7 @@ async def test_the_fake_search_page_finds_an_item_by_its_name_in_any_case_and_re
             assert (await session.type(box, text)).error is None
             return (await session.click(submit)).observation
 
-    async with FakeEnvironmentServer(site=st.fake_site()) as server:
+    async with InProcessEnvironmentServer(site=st.in_process_site()) as server:
         async with EnvironmentClient(EnvironmentConfig(server_urls=(server.url,), **FAST_ENV)) as client:
             found = await search(client, "MaNgO")
             missing = await search(client, "a kite & a yoyo")
@@ -149,14 +149,14 @@ async def test_the_fake_search_page_finds_an_item_by_its_name_in_any_case_and_re
 
 
 def test_a_shuffled_shop_lists_the_same_links_in_a_seeded_other_order():
-    plain, shuffled, again = st.fake_site(), st.fake_site(order_seed=3), st.fake_site(order_seed=3)
+    plain, shuffled, again = st.in_process_site(), st.in_process_site(order_seed=3), st.in_process_site(order_seed=3)
     for file in ("index.html", "fruit.html", "garden.html"):
         url = st.page_url(file)
         names = [element.name for element in plain.page(url).elements]
         assert sorted(element.name for element in shuffled.page(url).elements) == sorted(names)
         assert shuffled.page(url) == again.page(url)
     orders = {
-        tuple(e.name for e in st.fake_site(order_seed=seed).page(st.page_url("index.html")).elements)
+        tuple(e.name for e in st.in_process_site(order_seed=seed).page(st.page_url("index.html")).elements)
         for seed in range(5)
     }
     assert len(orders) > 1
@@ -191,7 +191,7 @@ def test_deal_boards_mark_one_fruit_each_and_every_fruit_is_on_sale_equally_ofte
         records = st.task_records(split, suite="deal")
         on_sale = collections.Counter(record["verifier_metadata"]["answer_equals"] for record in records)
         assert on_sale == dict.fromkeys(names, per_fruit)  # a guess is right one time in four
-    site = st.fake_site()
+    site = st.in_process_site()
     orders = set()
     for board in st.deal_boards()[:200]:
         page = site.page(st.page_url(board.file))
@@ -215,7 +215,7 @@ async def test_a_deal_is_answered_by_reading_the_board_or_from_memory_without_to
     records = st.records_by_id()
     rewards = []
     try:
-        async with FakeEnvironmentServer(site=st.fake_site()) as server:
+        async with InProcessEnvironmentServer(site=st.in_process_site()) as server:
             for i in range(len(rows)):
                 sample = dataset[i]
                 record = records[sample["extra_info"]["task_id"]]

@@ -11,13 +11,13 @@ import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local import shop_scripts
 from nemo_gym_browser.local import shop_tasks as st
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.in_process_loop import build_loop
 from nemo_gym_browser.local.warm_start import load_samples
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ async def tour(server_url: str) -> list[str]:
 
 
 async def test_the_fake_shop_shows_every_page_as_chromium_renders_the_real_one(real_environment, shop_site):
-    async with FakeEnvironmentServer(site=st.fake_site()) as fake:
+    async with InProcessEnvironmentServer(site=st.in_process_site()) as fake:
         expected = await tour(fake.url)
     actual = await tour(real_environment.url)
     assert len(actual) == 1 + len(st.CATEGORIES) + len(st.items()) + 1
@@ -110,7 +110,7 @@ async def boards(server_url: str) -> list[str]:
 async def test_the_deal_boards_render_as_in_chromium_and_a_deal_is_read_or_guessed_on_the_real_server(
     real_environment, shop_site, tokenizer, tools, trainer_config, tmp_path
 ):
-    async with FakeEnvironmentServer(site=st.fake_site()) as fake:
+    async with InProcessEnvironmentServer(site=st.in_process_site()) as fake:
         expected = await boards(fake.url)
     actual = await boards(real_environment.url)
     assert actual == expected and len(actual) == 13

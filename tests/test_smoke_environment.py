@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.faults import Fault
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.faults.kinds import Fault
 
 SCRIPT = Path(__file__).resolve().parents[1] / "smoke_environment.py"
 
@@ -24,7 +24,7 @@ def smoke(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def fake():
-    with FakeEnvironmentServer().run_in_thread() as env:
+    with InProcessEnvironmentServer().run_in_thread() as env:
         yield env
 
 

@@ -25,8 +25,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from nemo_gym_browser import preflight
+from nemo_gym_browser.local.chat_tokenizer import save_tokenizer_and_config
 from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
-from nemo_gym_browser.testing.tokenizer import save_test_model
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "submit_webvoyager.sh"
@@ -63,7 +63,7 @@ def prepared_data(folder: Path, tasks: list[dict], *options: str) -> Path:
 def recipe_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model folder (in-process tokenizer, tiny Qwen2 config) and prepared data, as a user would have them."""
     root = tmp_path_factory.mktemp("recipe_inputs")
-    save_test_model(root / "model")
+    save_tokenizer_and_config(root / "model")
     prepared_data(root / "data", TASKS)
     return root
 

@@ -22,7 +22,7 @@ from verl.workers.config import HFModelConfig
 from nemo_gym_browser.local import policy_evaluation, policy_model, warm_start
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.local import tiny_policy as tp
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 
 SMALL_MODEL = policy_model.ModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
@@ -64,14 +64,14 @@ def warm_policy(small_tasks, tmp_path_factory):
 
 
 def test_the_policy_tokenizer_says_every_item_in_one_token_and_keeps_the_test_tokenizers_template(policy_tokenizer):
-    assert policy_tokenizer.chat_template == build_test_tokenizer().chat_template
+    assert policy_tokenizer.chat_template == build_chat_tokenizer().chat_template
     assert policy_tokenizer.eos_token == "<|im_end|>"
     for item in st.items():
         for text, piece in ((f" open {item.name}.", f" {item.name}"), (f'for "{item.slug}".', item.slug)):
             pieces = [policy_tokenizer.decode([token]) for token in policy_tokenizer(text)["input_ids"]]
             assert piece in pieces, (text, pieces)
     # the default test tokenizer is untouched by the extra corpus
-    assert len(build_test_tokenizer()) != len(policy_tokenizer)
+    assert len(build_chat_tokenizer()) != len(policy_tokenizer)
 
 
 def test_demonstrations_are_the_loops_own_token_sequences_and_solve_their_tasks(demonstrations, policy_tokenizer):

@@ -35,11 +35,11 @@ from verl.utils.dataset.rl_dataset import collate_fn
 
 from nemo_gym_browser import dropped_rollouts, patches, wiring
 from nemo_gym_browser.episode_metrics import FAILURE_KINDS, FLAG_KEYS, episode_metrics, metrics_from_columns
-from nemo_gym_browser.testing import scripted_policy as sp
-from nemo_gym_browser.testing.agent_loop_harness import compose_trainer_config, make_row
-from nemo_gym_browser.testing.fake_site import BUNDLED_ROOT
-from nemo_gym_browser.testing.faults import Fault
-from nemo_gym_browser.testing.tokenizer import build_test_tokenizer
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
+from nemo_gym_browser.local.environment_server.site_model import BUNDLED_ROOT
+from nemo_gym_browser.local.faults.kinds import Fault
+from nemo_gym_browser.local.in_process_loop import compose_trainer_config, make_row
 
 ABOUT = {"url_contains": "about.html"}
 ROLLOUT_TIMEOUT_S = 120
@@ -125,7 +125,7 @@ def object_column(values: list) -> np.ndarray:
 async def legacy_step_batch(server, model_dir) -> DataProto:
     """The step's batch as ``RayPPOTrainer.fit`` holds it when it computes the step's metrics (no GPU stages)."""
     config = trainer_config(server, model_dir, "trainer.use_v1=false", "actor_rollout_ref.rollout.n=3")
-    worker = AgentLoopWorker(config, scripted_group(server, build_test_tokenizer()))
+    worker = AgentLoopWorker(config, scripted_group(server, build_chat_tokenizer()))
     rows = group_rows()
     prompts = DataProto(
         batch=TensorDict({"dummy_tensor": torch.zeros(len(rows), 1, dtype=torch.uint8)}, batch_size=len(rows)),
@@ -256,7 +256,7 @@ def tq_worker(config, policy):
 
 async def test_the_v1_step_metrics_carry_the_env_metrics_of_the_real_samples_only(server, model_dir, tq):
     config = trainer_config(server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3")
-    rollout = InProcessRollout(tq_worker(config, scripted_group(server, build_test_tokenizer())))
+    rollout = InProcessRollout(tq_worker(config, scripted_group(server, build_chat_tokenizer())))
 
     metrics, batch, _ = await v1_step_metrics(config, rollout, tq, batch_multiple=4)
 
@@ -274,7 +274,7 @@ async def test_with_the_drop_switch_on_each_dropped_rollout_counts_once_at_the_s
 ):
     drop = "+nemo_gym_browser.drop_invalid=true"
     config = trainer_config(server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3", drop)
-    rollout = InProcessRollout(tq_worker(config, scripted_group(server, build_test_tokenizer())))
+    rollout = InProcessRollout(tq_worker(config, scripted_group(server, build_chat_tokenizer())))
 
     metrics, batch, trainer = await v1_step_metrics(config, rollout, tq, batch_multiple=4)
 
@@ -365,7 +365,7 @@ async def test_a_v1_step_without_flags_gets_exactly_verls_metrics(server, model_
     config = trainer_config(
         server, model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3", "algorithm.adv_estimator=grpo"
     )
-    worker = tq_worker(config, scripted_group(server, build_test_tokenizer()))
+    worker = tq_worker(config, scripted_group(server, build_chat_tokenizer()))
     postprocess = worker._agent_loop_postprocess
 
     async def another_recipes_samples(output, validate, **kwargs):  # the same samples, minus the recipe's flags
@@ -513,7 +513,7 @@ async def test_a_v1_step_survives_a_first_rollout_that_never_reached_the_model(s
         settings.append("+nemo_gym_browser.drop_invalid=true")
     config = trainer_config(server, model_dir, *settings)
     unseedable(server, "never-seeded")
-    policy = sp.ScriptedPolicy(build_test_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
+    policy = sp.ScriptedPolicy(build_chat_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
     rollout = InProcessRollout(tq_worker(config, policy))
 
     metrics, batch, _ = await v1_step_metrics(
@@ -538,7 +538,7 @@ async def test_a_v1_step_survives_a_first_rollout_that_never_reached_the_model(s
 async def test_a_v1_step_in_which_every_rollout_failed_gives_zero_advantages_and_finite_metrics(server, model_dir, tq):
     config = trainer_config(server, model_dir, LOG_PROBS, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3")
     unseedable(server, "a", "b", "c")
-    policy = sp.ScriptedPolicy(build_test_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
+    policy = sp.ScriptedPolicy(build_chat_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
     rollout = InProcessRollout(tq_worker(config, policy))
 
     metrics, batch, _ = await v1_step_metrics(config, rollout, tq, batch_multiple=1, rows=rows_named("a", "b", "c"))
@@ -566,7 +566,7 @@ async def test_legacy_post_processing_keeps_the_log_probs_when_the_first_rollout
 
     config = trainer_config(server, model_dir, LOG_PROBS, "trainer.use_v1=false", "actor_rollout_ref.rollout.n=3")
     unseedable(server, *failed)
-    policy = sp.ScriptedPolicy(build_test_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
+    policy = sp.ScriptedPolicy(build_chat_tokenizer(), sp.walk_and_finish("About", "ALPHA-42"))
     worker = AgentLoopWorker(config, policy)
     rows = rows_named("never-seeded", "ok-1", "ok-2")
     prompts = DataProto(

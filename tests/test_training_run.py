@@ -17,10 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_gym_browser.local import injected_faults as inj
 from nemo_gym_browser.local import main_ppo_process as mp
 from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import training_run as tr
+from nemo_gym_browser.local.faults import injected as inj
 
 
 def spec(tmp_path: Path, **changes) -> rs.RunSpec:
@@ -192,8 +192,8 @@ def test_the_default_fault_spec_is_todays_verify_503_per_session_and_browser_cal
 def test_a_shorter_call_timeout_reaches_the_loops_settings_and_none_keeps_the_recipes(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
+    from nemo_gym_browser.local.in_process_loop import agent_loop_entry
     from nemo_gym_browser.settings import resolve_settings
-    from nemo_gym_browser.testing.agent_loop_harness import agent_loop_entry
 
     loop_kwargs = OmegaConf.to_container(agent_loop_entry())
     del loop_kwargs["name"], loop_kwargs["_target_"]  # what hydra.utils.instantiate passes the loop
@@ -225,9 +225,9 @@ def test_the_cli_teaches_every_fault_option_and_refuses_bad_values_as_usage_erro
 
 
 def test_injected_faults_run_the_real_proxy_in_a_thread_and_count_what_they_injected() -> None:
-    from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
+    from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 
-    with FakeEnvironmentServer().run_in_thread() as fake:
+    with InProcessEnvironmentServer().run_in_thread() as fake:
         with inj.InjectedFaults(fake.url, lambda r: inj.random_faults(1.0, 0, "seed_session")(r)) as faults:
             import urllib.error
             import urllib.request

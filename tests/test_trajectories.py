@@ -17,10 +17,10 @@ import pytest
 
 from nemo_gym_browser import trajectories as tj
 from nemo_gym_browser import trajectory_page as tp
-from nemo_gym_browser.testing import scripted_policy as sp
+from nemo_gym_browser.local import scripted_policy as sp
+from nemo_gym_browser.local.faults.kinds import Fault
+from nemo_gym_browser.local.in_process_loop import build_loop, make_row
 from nemo_gym_browser.testing import stepwise_policy as swp
-from nemo_gym_browser.testing.agent_loop_harness import build_loop, make_row
-from nemo_gym_browser.testing.faults import Fault
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 ABOUT = {"url_contains": "about.html"}

@@ -1,8 +1,8 @@
 """A random tiny model, a data set and a reward for exercising ``main_ppo`` and the ``hfcpu`` rollout on CPU.
 
 What it gives
-    * :func:`save_random_policy`: a model folder ``from_pretrained`` loads: the in-process test tokenizer
-      (``testing/tokenizer.py``) and a randomly initialised two-layer Qwen2 with real weights, seeded, so two calls
+    * :func:`save_random_policy`: a model folder ``from_pretrained`` loads: the in-process chat tokenizer
+      (``local/chat_tokenizer.py``) and a randomly initialised two-layer Qwen2 with real weights, seeded, so two calls
       with the same seed write the same model and different seeds different ones (in 0.1 s).
     * :func:`write_toy_dataset`: verl's RL parquet rows (``prompt`` as chat messages, ``reward_model.ground_truth``).
     * :func:`compute_score`: a reward for ``reward.custom_reward_function`` whose values differ within a group
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...testing.tokenizer import save_test_model
+from ..chat_tokenizer import save_tokenizer_and_config
 
 __all__ = ["compute_score", "save_random_policy", "write_toy_dataset"]
 
@@ -32,7 +32,7 @@ def save_random_policy(directory: str | Path, *, seed: int = 0, hidden_size: int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory = save_test_model(directory, hidden_size=hidden_size)
+    directory = save_tokenizer_and_config(directory, hidden_size=hidden_size)
     config = AutoConfig.from_pretrained(directory)
     config.initializer_range = init_std
     with torch.random.fork_rng():

@@ -298,7 +298,7 @@ async def run_check(model_dir: Path, *, max_model_len: int, sync_timeout_s: floa
     except WeightSyncError as exc:
         stage.figures["raised"] = "WeightSyncError"
         stage.figures["error"] = str(exc).splitlines()[0][:160]
-    except asyncio.TimeoutError:
+    except TimeoutError:
         stage.figures["raised"] = "timeout (hung)"
     stage.figures["s to raise"] = round(time.monotonic() - began, 1)
     stage.figures["resync s"] = round(await sync(step2, 5), 2)

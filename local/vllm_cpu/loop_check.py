@@ -22,7 +22,7 @@ balancer (``get_router_handle``), the client the agent-loop workers get with ``r
     Holds when the control keeps decoding after its cut and the cut request is gone from the engine within
     :data:`STOP_WITHIN_S`, the token counter then standing still.
 ``tools``
-    Deal-task episodes through the recipe's real ``BrowserToolAgentLoop`` against the fake environment server, the
+    Deal-task episodes through the recipe's real ``BrowserToolAgentLoop`` against the in-process environment server, the
     loop's server manager being that verl client (recording every turn's token ids). Every turn vLLM generated is
     parsed with the recipe's :class:`~nemo_gym_browser.tool_parser.LenientHermesToolParser` and, independently,
     by decoding the ids and reading each ``<tool_call>`` block as JSON: both must give the same calls, each a call
@@ -246,7 +246,7 @@ async def stage_cancel(served: Served, *, cut_s: float, watch_s: float, seed: in
             else:
                 await generate_within(generation, cut_s, f"loop_check {kind}")
             raise AssertionError(f"the {kind} request finished within {cut_s} s: make it longer")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return began + cut_s, counter_before
 
@@ -313,10 +313,10 @@ async def stage_tools(served: Served, *, episodes: int, seed: int) -> tuple[Stag
 
     from nemo_gym_browser.browser_agent_loop import close_shared_clients
     from nemo_gym_browser.local import shop_tasks, warm_start
+    from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+    from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, load_tools
     from nemo_gym_browser.local.policy_evaluation import ACTIONS, MAX_TURN_TOKENS, is_tool_call
     from nemo_gym_browser.local.policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
-    from nemo_gym_browser.testing.agent_loop_harness import build_loop, compose_trainer_config, load_tools
-    from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
     from nemo_gym_browser.tool_parser import LenientHermesToolParser
 
     stage = Stage("tools: the recipe's hermes parser reads vLLM's tool calls")
@@ -346,7 +346,7 @@ async def stage_tools(served: Served, *, episodes: int, seed: int) -> tuple[Stag
     outcomes = []
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": MAX_TURN_TOKENS}
     try:
-        async with FakeEnvironmentServer(site=shop_tasks.fake_site()) as environment:
+        async with InProcessEnvironmentServer(site=shop_tasks.in_process_site()) as environment:
             for sample in samples[:episodes]:
                 loop = build_loop(
                     client, tokenizer=tokenizer, tools=tools, trainer_config=config,

@@ -1,7 +1,7 @@
 """Injected faults: the project's fault proxy in front of a real environment server, and the rules it strikes by.
 
 What it owns
-    * :class:`InjectedFaults`: the fault proxy (:mod:`nemo_gym_browser.testing.fault_proxy`) between the trainer's
+    * :class:`InjectedFaults`: the fault proxy (:mod:`nemo_gym_browser.local.faults.proxy`) between the trainer's
       rollouts and an environment server, on its own event loop in a daemon thread; started on ``__enter__``,
       stopped on ``__exit__`` (the loop closed even when stopping the proxy fails).
     * The rules, each deterministic whatever the timing: :func:`random_faults` (a share of sessions fails at one
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..testing.background_loop import BackgroundLoop
+from ..background_loop import BackgroundLoop
 
 # Where injected faults strike: "verify" spoils a share of sessions after the policy acted (random_faults);
 # "browser-call" fails each browser action call on its own (browser_call_faults); "seed" leaves a share of tasks
@@ -73,7 +73,7 @@ class InjectedFaults:
     _TIMEOUT_S = 30.0
 
     def __init__(self, upstream: str, rule: Callable[[Any], Any] | None = None) -> None:
-        from ..testing.fault_proxy import FaultProxy
+        from .proxy import FaultProxy
 
         self._loop = BackgroundLoop("fault-proxy")
         self._proxy = FaultProxy(upstream)
@@ -108,7 +108,7 @@ class InjectedFaults:
         return list(self._proxy.log)
 
     def counts(self) -> dict[str, int]:
-        from ..testing.fault_proxy import fault_counts
+        from .proxy import fault_counts
 
         return fault_counts(self.log)
 
@@ -127,8 +127,8 @@ class RowFault:
 
 
 def proxy_fault(name: str) -> Any:
-    """The :class:`~nemo_gym_browser.testing.faults.Fault` a rule here answers with, by ``name``."""
-    from ..testing.faults import Fault
+    """The :class:`~nemo_gym_browser.local.faults.kinds.Fault` a rule here answers with, by ``name``."""
+    from .kinds import Fault
 
     make = {
         "status": lambda: Fault.status(503),
@@ -158,7 +158,7 @@ def planned_faults(plan: Mapping[int, RowFault | Sequence[RowFault]]) -> Callabl
     reach the proxy, whichever of the group's episodes they are; a row's fault hits the rollouts numbered
     ``skip`` .. ``skip + rollouts - 1``. A row may carry several faults (for different rollouts or endpoints).
     """
-    from ..testing.chaos_harness import parse_session_id
+    from ...session_ids import parse_session_id
 
     faults = {index: (f,) if isinstance(f, RowFault) else tuple(f) for index, f in plan.items()}
     for row_fault in (f for row in faults.values() for f in row):
@@ -227,11 +227,11 @@ def browser_call_faults(
     (lose_session) or ``timeout`` (hang, after the client's ``call_timeout_s``), ends the attempt and re-runs the
     rollout in a new session, which is drawn anew. Sessions of ``spare_tasks`` are never faulted.
     """
-    from ..environment import TOOL_NAMES
+    from ...browser_calls import BROWSER_FINISH, TOOL_NAMES
 
     _check_rate(rate)
     proxy_fault(kind)
-    browser_calls = frozenset(TOOL_NAMES) - {"browser_finish"}
+    browser_calls = frozenset(TOOL_NAMES) - {BROWSER_FINISH}
     calls: dict[str, int] = {}  # session id -> its browser calls so far; forgotten at its close
     lock = threading.Lock()
 

@@ -7,8 +7,8 @@ What it gives tests and benchmarks
     * :func:`build_loop`: the agent loop instantiated from ``configs/agent_loop.yaml`` by ``hydra.utils.instantiate``
       with exactly the keyword arguments ``AgentLoopWorker._run_agent_loop`` passes (one loop per sample, as verl).
     * :func:`make_row`: one dataset sample in the shape ``dataset.py`` produces.
-    * :func:`save_test_model`: a model folder (tokenizer + tiny config) for verl's ``HFModelConfig``, so a real
-      ``AgentLoopWorker`` can be built too.
+    * :func:`save_tokenizer_and_config`: a model folder (tokenizer + tiny config) for verl's ``HFModelConfig``, so a
+      real ``AgentLoopWorker`` can be built too.
 
 Nothing here talks to the network except the environment server URLs the caller passes.
 """
@@ -32,7 +32,9 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 from verl.tools.tool_registry import initialize_tools_from_config
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from .tokenizer import save_test_model
+from ..browser_tool import AGENT_LOOP_NAME
+from ..dataset import DEFAULT_DATA_SOURCE, EPISODE_TOOLS
+from .chat_tokenizer import save_tokenizer_and_config
 
 __all__ = [
     "AGENT_LOOP_YAML",
@@ -44,7 +46,7 @@ __all__ = [
     "compose_trainer_config",
     "load_tools",
     "make_row",
-    "save_test_model",
+    "save_tokenizer_and_config",
 ]
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent
@@ -53,8 +55,7 @@ AGENT_LOOP_YAML = CONFIG_DIR / "agent_loop.yaml"
 SINGLE_TOOL_YAML = CONFIG_DIR / "browser_tool.yaml"
 NATIVE_TOOLS_YAML = CONFIG_DIR / "browser_native_tools.yaml"
 VERL_CONFIG_DIR = Path(verl.__file__).resolve().parent / "trainer" / "config"
-EPISODE_TOOLS = ("browser", "browser_observe", "browser_navigate", "browser_click", "browser_type", "browser_finish")
-# The model family verl's Continuous-Token builder keys on: the test tokenizer speaks Qwen's ChatML.
+# The model family verl's Continuous-Token builder keys on: the chat tokenizer speaks Qwen's ChatML.
 HF_MODEL_TYPE = "qwen2"
 
 SYSTEM_PROMPT = "You are a web agent. Use the browser to solve the task, then finish with your answer."
@@ -95,12 +96,12 @@ def load_tools(*, native: bool = False, path: str | os.PathLike[str] | None = No
 
 
 def agent_loop_entry(**settings: Any) -> DictConfig:
-    """The ``nemo_gym_browser_agent`` entry of ``configs/agent_loop.yaml`` with ``settings`` merged over it.
+    """The agent loop's entry (``AGENT_LOOP_NAME``) of ``configs/agent_loop.yaml`` with ``settings`` merged over it.
 
     Nested mappings merge key by key (``environment={"server_urls": [...]}`` keeps the other environment keys).
     """
     entries = OmegaConf.load(AGENT_LOOP_YAML)
-    entry = next(e for e in entries if e.name == "nemo_gym_browser_agent")
+    entry = next(e for e in entries if e.name == AGENT_LOOP_NAME)
     return OmegaConf.merge(entry, OmegaConf.create(dict(settings)))
 
 
@@ -147,12 +148,12 @@ def make_row(
     return {
         "raw_prompt": [{"role": "system", "content": system_prompt}, {"role": "user", "content": task}],
         "tools_kwargs": {tool: {"create_kwargs": copy.deepcopy(episode)} for tool in EPISODE_TOOLS},
-        "agent_name": "nemo_gym_browser_agent",
+        "agent_name": AGENT_LOOP_NAME,
         "index": index,
-        "data_source": "nemo_gym",
+        "data_source": DEFAULT_DATA_SOURCE,
         "extra_info": {"index": index, "task_id": task_id},
     }
 
 
 # Re-exported so a caller needs one import for a model folder too.
-save_test_model = save_test_model
+save_tokenizer_and_config = save_tokenizer_and_config

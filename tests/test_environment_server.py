@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from nemo_gym_browser.testing.fake_environment import FakeEnvironmentServer
-from nemo_gym_browser.testing.fake_sessions import NO_SESSION_ERROR, SESSION_NOT_FOUND_AT_VERIFY
-from nemo_gym_browser.testing.fake_site import (
+from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
+from nemo_gym_browser.local.environment_server.sessions import NO_SESSION_ERROR, SESSION_NOT_FOUND_AT_VERIFY
+from nemo_gym_browser.local.environment_server.site_model import (
     BUNDLED_INITIAL_URL,
     BUNDLED_ROOT,
     BUNDLED_VERIFIER_METADATA,
@@ -30,8 +30,8 @@ from nemo_gym_browser.testing.fake_site import (
     link,
     text_input,
 )
-from nemo_gym_browser.testing.fake_wire import COOKIE_NAME
-from nemo_gym_browser.testing.faults import Fault, SeenRequest
+from nemo_gym_browser.local.environment_server.wire import COOKIE_NAME
+from nemo_gym_browser.local.faults.kinds import Fault, SeenRequest
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
 INDEX_URL = BUNDLED_ROOT + "site/index.html"
@@ -78,7 +78,7 @@ def typed_close(session_id: str, episode: dict | None = None) -> dict:
 class Client:
     """One rollout's HTTP side: its own cookie jar that keeps cookies of 127.0.0.1."""
 
-    def __init__(self, server: FakeEnvironmentServer, session: aiohttp.ClientSession) -> None:
+    def __init__(self, server: InProcessEnvironmentServer, session: aiohttp.ClientSession) -> None:
         self.server = server
         self.session = session
 
@@ -99,13 +99,13 @@ class Client:
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[FakeEnvironmentServer]:
-    async with FakeEnvironmentServer() as fake:
+async def server() -> AsyncIterator[InProcessEnvironmentServer]:
+    async with InProcessEnvironmentServer() as fake:
         yield fake
 
 
 @pytest.fixture
-async def client(server: FakeEnvironmentServer) -> AsyncIterator[Client]:
+async def client(server: InProcessEnvironmentServer) -> AsyncIterator[Client]:
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True), timeout=CLIENT_TIMEOUT) as session:
         yield Client(server, session)
 
@@ -427,7 +427,7 @@ async def test_a_custom_site_truncates_elements_and_text_like_the_real_server() 
         *(link(f"Link {i}", "/") for i in range(60)),
     )
     site = Site({"http://big.test/": Page(title=" Big  Page ", text=f"Big\n\n{words}", elements=elements)})
-    async with FakeEnvironmentServer(site, max_elements=50) as server:
+    async with InProcessEnvironmentServer(site, max_elements=50) as server:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True), timeout=CLIENT_TIMEOUT) as s:
             client = Client(server, s)
             await seeded(client, task_data={"initial_url": "http://big.test"})
@@ -745,7 +745,7 @@ async def test_a_per_endpoint_latency_delays_that_endpoint(server, client) -> No
 
 
 async def test_a_seed_cancelled_while_its_browser_opens_leaves_an_orphan_like_the_real_server() -> None:
-    async with FakeEnvironmentServer(browser_open_s=2.0) as server:
+    async with InProcessEnvironmentServer(browser_open_s=2.0) as server:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
             client = Client(server, session)
             with pytest.raises(asyncio.TimeoutError):
@@ -767,11 +767,11 @@ async def test_the_event_log_and_open_sessions_show_a_session_left_open(server, 
 
 def test_inject_rejects_an_unknown_endpoint() -> None:
     with pytest.raises(ValueError, match="unknown endpoint"):
-        FakeEnvironmentServer().inject("browser_scroll", Fault.status())
+        InProcessEnvironmentServer().inject("browser_scroll", Fault.status())
 
 
 def test_the_threaded_server_serves_synchronous_callers_and_restarts() -> None:
-    with FakeEnvironmentServer().run_in_thread() as env:
+    with InProcessEnvironmentServer().run_in_thread() as env:
         host, port = env.url.removeprefix("http://").split(":")
         connection = http.client.HTTPConnection(host, int(port), timeout=5)
         try:
@@ -804,7 +804,7 @@ async def test_a_test_site_can_link_pages_and_run_click_handlers() -> None:
             "http://shop.test/done": Page(title="Thanks", text="Order placed"),
         }
     )
-    async with FakeEnvironmentServer(site) as server:
+    async with InProcessEnvironmentServer(site) as server:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True), timeout=CLIENT_TIMEOUT) as s:
             client = Client(server, s)
             task = {"initial_url": "http://shop.test/", "verifier_metadata": {"final_url": "http://shop.test/done"}}

@@ -29,7 +29,8 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from .tokenizer import IM_END, IM_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
+from ..browser_calls import SINGLE_TOOL_NAME
+from .chat_tokenizer import IM_END, IM_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
 # One element line of a NeMo Gym observation: "  [12] a: About us".
 _ELEMENT_LINE = re.compile(r"^\s*\[(\d+)\]\s*([^:]*):\s*(.*)$")
@@ -116,7 +117,7 @@ def tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
 
 def browser(action: str, **arguments: Any) -> str:
     """A call of the single ``browser`` tool."""
-    return tool_call("browser", {"action": action, **arguments})
+    return tool_call(SINGLE_TOOL_NAME, {"action": action, **arguments})
 
 
 def native(action: str, **arguments: Any) -> str:
@@ -204,10 +205,10 @@ def walk_and_finish(link: str, answer: str, *, use_native: bool = False) -> Scri
 
 
 class ScriptedPolicy:
-    """A fake verl server manager that plays scripts.
+    """A verl server manager that plays scripts instead of a model.
 
     Args:
-        tokenizer: the tokenizer the agent loop uses (the one from :mod:`nemo_gym_browser.testing.tokenizer`).
+        tokenizer: the tokenizer the agent loop uses (the one from :mod:`nemo_gym_browser.local.chat_tokenizer`).
         script: one script for every conversation, or a mapping from a substring of the task text to a script
             (the first key found in the task wins; the key ``"*"`` is the fallback).
         think_time_s: seconds to wait before answering, or a function of the view giving them (or giving an

@@ -1,11 +1,11 @@
-"""One vocabulary of injected faults, for the fake environment server and the fault proxy alike.
+"""One vocabulary of injected faults, for the in-process environment server and the fault proxy alike.
 
 A :class:`Fault` is a value: what happens to one request instead of (or on the way to) its normal answer. Two
 places interpret it:
 
-- :class:`~nemo_gym_browser.testing.fake_environment.FakeEnvironmentServer`, from inside the server
+- :class:`~nemo_gym_browser.local.environment_server.server.InProcessEnvironmentServer`, from inside the server
   (``inject`` per endpoint, or ``set_rule`` per request): it does every kind;
-- :class:`~nemo_gym_browser.testing.fault_proxy.FaultProxy`, in front of any server (``set_rule``): it refuses a
+- :class:`~nemo_gym_browser.local.faults.proxy.FaultProxy`, in front of any server (``set_rule``): it refuses a
   kind that needs to reach inside the server (``crash_browser``) with a ``ValueError`` naming the fault and why.
 
 The kinds, and what each does in both places:

@@ -1,6 +1,6 @@
 """The lifetime of a test HTTP server on 127.0.0.1 that can go down and come back on the same port.
 
-:class:`LoopbackServer` is what the fake environment server and the fault proxy share: ``start`` listens (port 0
+:class:`LoopbackServer` is what the in-process environment server and the fault proxy share: ``start`` listens (port 0
 picks a free port, kept across stops), ``stop`` closes the port and cuts every open connection, requests in flight
 included, and clients on the same event loop see the cut before their next request; both are idempotent.
 ``async with`` starts the server and closes it on the way out. A subclass says what it serves

@@ -1,11 +1,11 @@
-"""The pages the fake environment server's browsers load, and how a page renders as an observation.
+"""The pages the in-process environment server's browsers load, and how a page renders as an observation.
 
 Owns the site model (a :class:`Site` maps URLs to :class:`Page` values and their :class:`Element` values;
-:meth:`Site.bundled` is the real server's own ``site/`` folder) and the fake browser (:class:`Browser`): navigation,
-element ids bound by the latest observation, clicks, typing, the ``browser_finish`` snapshot, and every browser
-error with the text Playwright 1.62 and Chromium give it. :meth:`Observation.render` is the real server's
+:meth:`Site.bundled` is the real server's own ``site/`` folder) and the simulated browser (:class:`Browser`):
+navigation, element ids bound by the latest observation, clicks, typing, the ``browser_finish`` snapshot, and every
+browser error with the text Playwright 1.62 and Chromium give it. :meth:`Observation.render` is the real server's
 observation format at its caps (elements listed up to ``max_elements``, names cut at 80 characters, body text folded
-and cut at 2000); the contract it belongs to is stated in :mod:`~nemo_gym_browser.testing.fake_environment`.
+and cut at 2000); the contract it belongs to is stated in :mod:`~nemo_gym_browser.local.environment_server.server`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
-from .faults import goto_call_log
+from ..faults.kinds import goto_call_log
 
 __all__ = [
     "BUNDLED_INITIAL_URL",
@@ -36,7 +36,7 @@ __all__ = [
     "text_input",
 ]
 
-# A relative initial_url resolves under the real server's folder; this is where the fake pretends it lives.
+# A relative initial_url resolves under the real server's folder; this is where the model pretends it lives.
 BUNDLED_ROOT = "file:///nemo_gym/resources_servers/interactive_browser/"
 # The example episode of the real server's own data/example.jsonl (first row).
 BUNDLED_INITIAL_URL = "site/index.html"
@@ -124,7 +124,7 @@ def _welcome(page: PageState) -> None:
 
 
 class Site:
-    """The pages the fake browser can load, keyed by absolute URL. Anything else fails like an unreachable host.
+    """The pages the simulated browser can load, keyed by absolute URL. Anything else fails like an unreachable host.
 
     ``root`` is the folder a relative ``initial_url`` resolves under (the real server's own folder).
     """
@@ -197,7 +197,7 @@ def _normalise_url(url: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The fake browser (errors and their texts as Playwright 1.62 + Chromium report them)
+# The simulated browser (errors and their texts as Playwright 1.62 + Chromium report them)
 # ----------------------------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
-"""In-process fake of NeMo Gym 0.7.0's ``interactive_browser`` resources server, with faults on demand.
+"""An in-process model of NeMo Gym 0.7.0's ``interactive_browser`` resources server, with faults on demand.
 
-The fake speaks the wire contract of the real server (``resources_servers/interactive_browser/app.py`` on top of
+The server speaks the wire contract of the real server (``resources_servers/interactive_browser/app.py`` on top of
 ``nemo_gym``'s FastAPI resources server) as far as a client can observe it, and replaces the browser with a small
 in-memory site model. Facts it keeps, each read off the 0.7.0 source or measured against it:
 
@@ -46,28 +46,28 @@ them against OpenAI's types; the echo in the verify answer has the same fields a
 and ``/reverify_mode`` are absent; the browser is a page table, not Chromium.
 
 Where each part lives: this module is the HTTP server (dispatch, handlers, fault application, bookkeeping);
-:mod:`~nemo_gym_browser.testing.fake_wire` the bodies, 422s and cookie; :mod:`~nemo_gym_browser.testing.fake_sessions`
-the session table and grading; :mod:`~nemo_gym_browser.testing.fake_site` the pages, the browser and the rendering.
+:mod:`.wire` the bodies, 422s and cookie; :mod:`.sessions` the session table and grading; :mod:`.site_model` the
+pages, the browser and the rendering.
 
-Faults (deterministic): every :class:`~nemo_gym_browser.testing.faults.Fault` kind, from inside the server (see
-:mod:`~nemo_gym_browser.testing.faults` for what each does), by :meth:`FakeEnvironmentServer.inject` per endpoint or
-``"*"`` (optionally for one session, from the Nth matching call, for ``times`` calls) or per request by a rule
-(:meth:`~FakeEnvironmentServer.set_rule`, the same kind of rule the fault proxy takes). Besides those:
+Faults (deterministic): every :class:`~nemo_gym_browser.local.faults.kinds.Fault` kind, from inside the server (see
+:mod:`~nemo_gym_browser.local.faults.kinds` for what each does), by :meth:`InProcessEnvironmentServer.inject` per
+endpoint or ``"*"`` (optionally for one session, from the Nth matching call, for ``times`` calls) or per request by a
+rule (:meth:`~InProcessEnvironmentServer.set_rule`, the same kind of rule the fault proxy takes). Besides those:
 
-- connection refused: :meth:`~FakeEnvironmentServer.stop`, then :meth:`~FakeEnvironmentServer.start` on the same
-  port (or ``async with server.refusing_connections():``); a server killed and restarted:
-  :meth:`~FakeEnvironmentServer.restart`; :meth:`~FakeEnvironmentServer.lose_session` and
-  :meth:`~FakeEnvironmentServer.crash_browser` at any moment;
-- ``latency_s`` / :meth:`~FakeEnvironmentServer.set_latency`: a fixed delay before every call (benchmarks).
+- connection refused: :meth:`~InProcessEnvironmentServer.stop`, then :meth:`~InProcessEnvironmentServer.start` on the
+  same port (or ``async with server.refusing_connections():``); a server killed and restarted:
+  :meth:`~InProcessEnvironmentServer.restart`; :meth:`~InProcessEnvironmentServer.lose_session` and
+  :meth:`~InProcessEnvironmentServer.crash_browser` at any moment;
+- ``latency_s`` / :meth:`~InProcessEnvironmentServer.set_latency`: a fixed delay before every call (benchmarks).
 
-Bookkeeping for leak tests: :meth:`~FakeEnvironmentServer.events` (per session: ``["seed", "observe", ...,
-"verify", "close"]``, every call received), :attr:`~FakeEnvironmentServer.open_sessions` (browsers seeded and not
-released by verify, close or a legacy re-seed), :attr:`~FakeEnvironmentServer.orphaned_browsers` (seeds cancelled
+Bookkeeping for leak tests: :meth:`~InProcessEnvironmentServer.events` (per session: ``["seed", "observe", ...,
+"verify", "close"]``, every call received), :attr:`~InProcessEnvironmentServer.open_sessions` (browsers seeded and not
+released by verify, close or a legacy re-seed), :attr:`~InProcessEnvironmentServer.orphaned_browsers` (seeds cancelled
 while ``browser_open_s`` was running: the real server strands those browsers).
 
 Example::
 
-    async with FakeEnvironmentServer() as server:
+    async with InProcessEnvironmentServer() as server:
         server.inject("browser_click", Fault.status(503), on_call=2)
         ...  # drive http://127.0.0.1:<port> with CookieJar(unsafe=True)
         assert server.events(session_id) == ["seed", "observe", "click", "click", "verify", "close"]
@@ -88,10 +88,20 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from .background_loop import BackgroundLoop
-from .fake_sessions import SessionTable
-from .fake_site import DEFAULT_MAX_ELEMENTS, Browser, Site
-from .fake_wire import (
+from ...browser_calls import (
+    BROWSER_CLICK,
+    BROWSER_FINISH,
+    BROWSER_NAVIGATE,
+    BROWSER_OBSERVE,
+    BROWSER_TYPE,
+    NATIVE_TOOL_ACTIONS,
+)
+from ..background_loop import BackgroundLoop
+from ..faults.kinds import Fault, Rule, SeenRequest, canned_answer, drop_connection, hold, with_reward
+from ..loopback import LoopbackServer
+from .sessions import SessionTable
+from .site_model import DEFAULT_MAX_ELEMENTS, Browser, Site
+from .wire import (
     CLOSE_BODY,
     COOKIE_NAME,
     ELEMENT_BODY,
@@ -109,12 +119,10 @@ from .fake_wire import (
     jsonable,
     parse_body,
 )
-from .faults import Fault, Rule, SeenRequest, canned_answer, drop_connection, hold, with_reward
-from .loopback import LoopbackServer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FakeEnvironmentServer", "FaultRule", "ThreadedFakeEnvironment"]
+__all__ = ["FaultRule", "InProcessEnvironmentServer", "ThreadedEnvironmentServer"]
 
 # uvicorn's keep-alive as nemo_gym configures it: clients must keep theirs below it.
 _SERVER_KEEPALIVE_S = 30.0
@@ -132,11 +140,7 @@ _ENDPOINTS: Mapping[str, str] = {
     "seed_session": "seed",
     "close_session": "close",
     "verify": "verify",
-    "browser_observe": "observe",
-    "browser_navigate": "navigate",
-    "browser_click": "click",
-    "browser_type": "type",
-    "browser_finish": "finish",
+    **NATIVE_TOOL_ACTIONS,
 }
 
 _Model = TypeVar("_Model")
@@ -144,7 +148,7 @@ _Model = TypeVar("_Model")
 
 @dataclass
 class _Call:
-    """One request as the fake sees it: endpoint, raw body, and the cookie session (mutated by handlers)."""
+    """One request as the server sees it: endpoint, raw body, and the cookie session (mutated by handlers)."""
 
     endpoint: str
     raw: bytes
@@ -196,7 +200,7 @@ def _endpoint_name(endpoint: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class FakeEnvironmentServer(LoopbackServer):
+class InProcessEnvironmentServer(LoopbackServer):
     """An aiohttp server on 127.0.0.1 that answers like a NeMo Gym 0.7.0 ``interactive_browser`` server.
 
     ``site``: the pages its browsers can load (default: the real server's bundled ``site/``). ``max_elements``:
@@ -204,11 +208,11 @@ class FakeEnvironmentServer(LoopbackServer):
     long a seed spends opening the browser; a seed cancelled during it leaves an orphaned browser, as the real
     server does (counted in :attr:`orphaned_browsers`). ``port``: 0 picks a free one, kept across restarts.
 
-    Lifetime (:class:`~nemo_gym_browser.testing.loopback.LoopbackServer`): ``start`` listens, ``stop`` cuts every
+    Lifetime (:class:`~nemo_gym_browser.local.loopback.LoopbackServer`): ``start`` listens, ``stop`` cuts every
     connection and keeps the sessions unless told to lose them, ``close`` (and leaving ``async with``) is ``stop``.
     """
 
-    description = "the fake environment server"
+    description = "the in-process environment server"
 
     def __init__(
         self,
@@ -235,11 +239,11 @@ class FakeEnvironmentServer(LoopbackServer):
             "seed_session": self._seed_session,
             "close_session": self._close_session,
             "verify": self._verify,
-            "browser_observe": self._browser_observe,
-            "browser_navigate": self._browser_navigate,
-            "browser_click": self._browser_click,
-            "browser_type": self._browser_type,
-            "browser_finish": self._browser_finish,
+            BROWSER_OBSERVE: self._browser_observe,
+            BROWSER_NAVIGATE: self._browser_navigate,
+            BROWSER_CLICK: self._browser_click,
+            BROWSER_TYPE: self._browser_type,
+            BROWSER_FINISH: self._browser_finish,
         }
 
     # ----- lifetime -------------------------------------------------------------------------------------------
@@ -268,7 +272,7 @@ class FakeEnvironmentServer(LoopbackServer):
         await self.start()
 
     @contextlib.asynccontextmanager
-    async def refusing_connections(self) -> AsyncIterator[FakeEnvironmentServer]:
+    async def refusing_connections(self) -> AsyncIterator[InProcessEnvironmentServer]:
         """Inside the block the port is closed (connection refused); sessions survive."""
         await self.stop()
         try:
@@ -276,9 +280,9 @@ class FakeEnvironmentServer(LoopbackServer):
         finally:
             await self.start()
 
-    def run_in_thread(self) -> ThreadedFakeEnvironment:
+    def run_in_thread(self) -> ThreadedEnvironmentServer:
         """Run this server on its own event loop in a daemon thread, for synchronous code."""
-        return ThreadedFakeEnvironment(self)
+        return ThreadedEnvironmentServer(self)
 
     # ----- inspection -----------------------------------------------------------------------------------------
 
@@ -348,14 +352,11 @@ class FakeEnvironmentServer(LoopbackServer):
         self._rules.append(rule)
         return rule
 
-    def clear_faults(self) -> None:
-        self._rules.clear()
-
     def set_rule(self, rule: Rule | None) -> None:
         """Ask ``rule`` about every call from now on that no injected fault acts on (None: ask nothing).
 
         The rule sees the call's endpoint, session and the task the session was seeded for, after the per-call
-        latency; the :class:`~nemo_gym_browser.testing.faults.Fault` it answers acts on that call.
+        latency; the :class:`~nemo_gym_browser.local.faults.kinds.Fault` it answers acts on that call.
         """
         self._rule = rule
 
@@ -416,7 +417,7 @@ class FakeEnvironmentServer(LoopbackServer):
             await asyncio.sleep(delay)
         fault = self._fault_for(call)
         if fault is not None:
-            logger.info("fake environment: %s on %s (session %s)", fault.kind, name, call.session_id)
+            logger.info("environment server: %s on %s (session %s)", fault.kind, name, call.session_id)
             faulted = await self._apply(fault, call, request)
             if faulted is not None:
                 return faulted
@@ -428,7 +429,7 @@ class FakeEnvironmentServer(LoopbackServer):
         except Exception as exc:
             # nemo_gym's exception middleware: repr(exc) as a JSON string, outside the session middleware
             # (so no Set-Cookie).
-            logger.debug("fake environment: %s answered 500: %r", name, exc)
+            logger.debug("environment server: %s answered 500: %r", name, exc)
             return json_response(repr(exc), status=500)
         if fault is not None and fault.kind == "regrade" and response.status == 200 and response.body is not None:
             response.body = with_reward(response.body, fault.reward)
@@ -572,17 +573,17 @@ class FakeEnvironmentServer(LoopbackServer):
 _T = TypeVar("_T")
 
 
-class ThreadedFakeEnvironment:
-    """A :class:`FakeEnvironmentServer` on its own event loop in a daemon thread, for synchronous callers.
+class ThreadedEnvironmentServer:
+    """A :class:`InProcessEnvironmentServer` on its own event loop in a daemon thread, for synchronous callers.
 
-    ``with FakeEnvironmentServer().run_in_thread() as env: ...`` then talk to ``env.url``. ``inject`` and the
+    ``with InProcessEnvironmentServer().run_in_thread() as env: ...`` then talk to ``env.url``. ``inject`` and the
     inspection members of ``env.server`` are safe to use between requests; the port is closed and reopened with
     :meth:`stop_server`, :meth:`start_server` and :meth:`restart_server`.
     """
 
     _TIMEOUT_S = 10.0
 
-    def __init__(self, server: FakeEnvironmentServer) -> None:
+    def __init__(self, server: InProcessEnvironmentServer) -> None:
         self.server = server
         self._loop: BackgroundLoop | None = None
 
@@ -590,7 +591,7 @@ class ThreadedFakeEnvironment:
     def url(self) -> str:
         return self.server.url
 
-    def __enter__(self) -> ThreadedFakeEnvironment:
+    def __enter__(self) -> ThreadedEnvironmentServer:
         self.open()
         return self
 
@@ -601,7 +602,7 @@ class ThreadedFakeEnvironment:
         """Start the thread and the server in it. Idempotent."""
         if self._loop is not None:
             return
-        self._loop = BackgroundLoop("fake-environment")
+        self._loop = BackgroundLoop("environment-server")
         self._loop.open()
         self.run(self.server.start())
 
@@ -609,7 +610,7 @@ class ThreadedFakeEnvironment:
         """Run a coroutine on the server's loop and wait for its result."""
         if self._loop is None:
             coro.close()
-            raise RuntimeError("the fake environment thread is not running")
+            raise RuntimeError("the in-process environment server thread is not running")
         return self._loop.run(coro, timeout_s=timeout_s)
 
     def stop_server(self, *, lose_state: bool = False) -> None:

@@ -1,11 +1,11 @@
-"""The fake environment server's sessions: which browser each session id holds, their lifetimes, and grading.
+"""The in-process environment server's sessions: which browser each session id holds, their lifetimes, and grading.
 
 Owns the session table (:class:`SessionTable`) and what the real server does with a session behind its HTTP
 handlers: open a browser on the start page (a failed load opens nothing; a launch cancelled part-way strands its
 browser, counted in :attr:`SessionTable.orphaned_browsers`), bind a typed id to one episode and task, release the
 browser at verify, close or a legacy re-seed, run a tool on it and answer in the tool shape, keep the first
 ``browser_finish``, and grade (:func:`score`). The contract these follow is stated in
-:mod:`~nemo_gym_browser.testing.fake_environment`.
+:mod:`~nemo_gym_browser.local.environment_server.server`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .fake_site import Browser, Site
-from .fake_wire import (
+from .site_model import Browser, Site
+from .wire import (
     BrowserSeedSessionRequest,
     EpisodeId,
     ResourcesCloseSessionRequest,
@@ -110,7 +110,7 @@ class SessionTable:
             except asyncio.CancelledError:
                 # The real open() unwinds on Exception only: a cancelled launch strands its browser.
                 self.orphaned_browsers += 1
-                logger.warning("fake environment: seed of %s cancelled while opening its browser", session_id)
+                logger.warning("environment server: seed of %s cancelled while opening its browser", session_id)
                 raise
         if initial_url:
             browser.goto(initial_url)  # raises Error: the seed answers 500 and nothing stays open
@@ -140,7 +140,7 @@ class SessionTable:
     def lose(self, session_id: str) -> None:
         """Forget a session without closing anything (its browser died with it, so nothing leaks)."""
         if self._states.pop(session_id, None) is not None:
-            logger.info("fake environment: session %s lost", session_id)
+            logger.info("environment server: session %s lost", session_id)
         self._typed_identity.pop(session_id, None)
 
     def crash_browser(self, session_id: str) -> None:
@@ -148,7 +148,7 @@ class SessionTable:
         state = self._states.get(session_id)
         if state is not None:
             state.browser.crashed = True
-            logger.info("fake environment: browser of session %s crashed", session_id)
+            logger.info("environment server: browser of session %s crashed", session_id)
 
     def forget_everything(self) -> None:
         self._states.clear()
@@ -179,7 +179,7 @@ class SessionTable:
             try:
                 state.finished_url, state.finished_text = state.browser.finish_snapshot()
             except Exception:
-                logger.warning("fake environment: no snapshot at finish for session %s", session_id)
+                logger.warning("environment server: no snapshot at finish for session %s", session_id)
         return ToolResponse(observation="", done=True)
 
     def verify(self, session_id: str) -> tuple[float, str | None]:

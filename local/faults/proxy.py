@@ -1,14 +1,14 @@
 """A fault-injecting HTTP proxy on 127.0.0.1, for putting a real environment server through chaos.
 
-The fake environment server injects its own faults; the real NeMo Gym server cannot. This proxy sits between the
+The in-process environment server injects its own faults; the real NeMo Gym server cannot. This proxy sits between the
 client and any HTTP server (the real ``interactive_browser``, or the fake) and makes the server look as if it
 misbehaved, without touching the server:
 
 - :meth:`FaultProxy.stop` / :meth:`FaultProxy.start`: the port closes (connection refused) and every open
   connection is cut, then the port opens again: what a client sees of a server process killed and restarted.
   (Pair it with restarting the upstream itself, which is what loses the sessions.)
-- per request, a rule (:meth:`FaultProxy.set_rule`) may choose a :class:`~nemo_gym_browser.testing.faults.Fault`,
-  the vocabulary the fake server takes too (see :mod:`~nemo_gym_browser.testing.faults` for each kind):
+- per request, a rule (:meth:`FaultProxy.set_rule`) may choose a :class:`~nemo_gym_browser.local.faults.kinds.Fault`,
+  the vocabulary the fake server takes too (see :mod:`~nemo_gym_browser.local.faults.kinds` for each kind):
   ``status`` answers without forwarding; ``hang`` holds the request (a client that gives up cuts it, and it is
   then never forwarded); ``drop`` aborts the connection, after a partial answer if the fault has one, without
   forwarding; ``lose_session`` forwards the request without its session cookie and strips the cookie the answer
@@ -19,7 +19,7 @@ misbehaved, without touching the server:
   :meth:`FaultProxy.check` raises a ``ValueError`` naming it and why; a rule that answers one anyway gets its
   request answered 500 with that error (logged, never forwarded).
 
-Rules see a :class:`~nemo_gym_browser.testing.faults.SeenRequest`: the endpoint and the ``interactive_browser``
+Rules see a :class:`~nemo_gym_browser.local.faults.kinds.SeenRequest`: the endpoint and the ``interactive_browser``
 session it belongs to (the typed ``resources_session_id`` of a seed or close body, otherwise the id carried by the
 Starlette session cookie; both the real server's and the fake's cookies carry ``{"session_id": ...}`` as base64
 JSON before the first dot), and the task that session was seeded for (the typed seed's ``task_id``).
@@ -31,7 +31,6 @@ successful verify or close has released since. Everything binds 127.0.0.1; every
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import json
@@ -43,8 +42,8 @@ from http.cookies import CookieError, SimpleCookie
 import aiohttp
 from aiohttp import web
 
-from .faults import Fault, FaultKind, Rule, SeenRequest, canned_answer, drop_connection, hold, with_reward
-from .loopback import LoopbackServer
+from ..loopback import LoopbackServer
+from .kinds import Fault, FaultKind, Rule, SeenRequest, canned_answer, drop_connection, hold, with_reward
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ _RELEASING = frozenset({"verify", "close_session"})
 # The fault kinds a proxy cannot carry out, and why: they need to reach inside the server.
 _NEEDS_THE_SERVER: dict[FaultKind, str] = {
     "crash_browser": "the browser lives inside the server, out of a proxy's reach "
-    "(inject it into a FakeEnvironmentServer instead)",
+    "(inject it into a InProcessEnvironmentServer instead)",
 }
 
 
@@ -126,7 +125,7 @@ class FaultProxy(LoopbackServer):
     """An HTTP/1.1 reverse proxy from ``127.0.0.1:<port>`` to ``upstream``, with faults on demand (see module doc).
 
     ``upstream_timeout_s`` bounds every forwarded call; ``port`` 0 picks a free port, kept across restarts.
-    Lifetime (:class:`~nemo_gym_browser.testing.loopback.LoopbackServer`): ``start`` opens the upstream connection
+    Lifetime (:class:`~nemo_gym_browser.local.loopback.LoopbackServer`): ``start`` opens the upstream connection
     pool and listens, ``stop`` cuts every connection and keeps the pool, ``close`` (and leaving ``async with``) stops
     and releases the pool.
     """
@@ -282,7 +281,7 @@ class FaultProxy(LoopbackServer):
                         continue
                     answer.headers.add(name, value)
                 return answer
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             # What a reverse proxy says when the server behind it is gone or silent.
             logger.info("fault proxy: upstream %s failed for %s: %s", self.upstream, request.path, type(exc).__name__)
             text = json.dumps(f"bad gateway: {type(exc).__name__}")

@@ -16,7 +16,7 @@ The chat template
 
 Guarantees
     Deterministic (same corpus and settings, same vocabulary and ids), no network, no files unless
-    :func:`save_test_model` is asked to write a model folder.
+    :func:`save_tokenizer_and_config` is asked to write a model folder.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _tokenizer_json(extra_corpus: tuple[str, ...] = (), vocab_size: int = VOCAB_
     return tokenizer.to_str()
 
 
-def build_test_tokenizer(extra_corpus: Sequence[str] = (), vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def build_chat_tokenizer(extra_corpus: Sequence[str] = (), vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """A fresh tokenizer (cheap: the trained vocabulary is cached per process, the object is not shared).
 
     ``extra_corpus`` (more lines to train the vocabulary on, e.g. the pages and prompts of one task suite, so that
@@ -180,7 +180,7 @@ def build_test_tokenizer(extra_corpus: Sequence[str] = (), vocab_size: int = VOC
     return tokenizer
 
 
-def save_test_model(directory: str | Path, *, hidden_size: int = 16) -> Path:
+def save_tokenizer_and_config(directory: str | Path, *, hidden_size: int = 16) -> Path:
     """Write a model folder (tokenizer files plus a tiny Qwen2 ``config.json``) that verl's ``HFModelConfig`` loads.
 
     Nothing is downloaded: the config describes a two-layer toy model that is never instantiated by the tests;
@@ -188,7 +188,7 @@ def save_test_model(directory: str | Path, *, hidden_size: int = 16) -> Path:
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_test_tokenizer()
+    tokenizer = build_chat_tokenizer()
     tokenizer.save_pretrained(directory)
     config = {
         "architectures": ["Qwen2ForCausalLM"],

@@ -1,4 +1,4 @@
-"""What crosses HTTP to and from the fake environment server, shaped as nemo_gym 0.7.0's FastAPI stack shapes it.
+"""What crosses HTTP to and from the in-process environment server, shaped as nemo_gym 0.7.0's FastAPI stack shapes it.
 
 Owns the request and answer bodies (pydantic models with the real field names, constraints and class names: they
 appear in the ``loc`` of a 422), FastAPI's body parsing and its 422 ``{"detail": [...]}`` answers (:func:`parse_body`),

@@ -256,13 +256,13 @@ def test_the_token_builder_follows_the_chat_family_setting_over_the_model_type(t
     checkpoint (the widened deal policy is a Granite with a Qwen2 chat template) names the family by the setting."""
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
-    from nemo_gym_browser.testing import agent_loop_harness
+    from nemo_gym_browser.local import in_process_loop
 
     def builder_class(model_type: str) -> type:
         return type(create_continuous_token_builder(tokenizer, hf_model_type=model_type))
 
     assert builder_class("granite") is not builder_class("qwen2")  # what the setting is for
-    monkeypatch.setattr(agent_loop_harness, "HF_MODEL_TYPE", "granite")
+    monkeypatch.setattr(in_process_loop, "HF_MODEL_TYPE", "granite")
     assert type(make_loop(tokenizer, tools).continuous_token_builder) is builder_class("granite")
     named = make_loop(tokenizer, tools, token_builder_model_type="qwen2")
     assert type(named.continuous_token_builder) is builder_class("qwen2")

@@ -43,6 +43,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -53,6 +54,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .credentials import redact, secret_values
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
 from .rows import validate_verifier_metadata as validate_verifier_metadata
@@ -194,7 +196,9 @@ def _verify_body(rollout_id: str) -> dict[str, Any]:
 
 
 def _brief(text: object) -> str:
-    return shorten(str(text), _DETAIL_CHARS, one_line=True)
+    """Server text as a failure reason or log detail: short, and without any credential of this process (a server
+    may echo what it was sent or learnt), taken out before the cut."""
+    return shorten(redact(str(text), secret_values(os.environ)), _DETAIL_CHARS, one_line=True)
 
 
 # ----- servers ------------------------------------------------------------------------------------------------

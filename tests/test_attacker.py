@@ -528,3 +528,17 @@ async def test_a_seed_that_fails_before_the_policy_acted_is_not_counted_against_
 
     assert output.extra_fields["env_failed_attempt_kinds"] == ["seed_failed"] * 2
     assert output.extra_fields["env_failed_after_action_kinds"] == []
+
+
+async def test_an_environment_server_that_echoes_a_credential_never_gets_it_into_a_reason_or_log(
+    server, client, monkeypatch, caplog
+):
+    monkeypatch.setenv("HF_TOKEN", CREDENTIALS["HF_TOKEN"])
+    server.inject("browser_observe", Fault.status(503, {"detail": f"upstream said {CREDENTIALS['HF_TOKEN']}"}))
+
+    with pytest.raises(EnvironmentFailure) as caught:
+        async with open_session(client) as session:
+            await session.observe()
+
+    assert caught.value.kind is FailureKind.SERVER_ERROR and "upstream said ***" in caught.value.reason
+    assert CREDENTIALS["HF_TOKEN"] not in caught.value.reason + caplog.text

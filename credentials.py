@@ -20,7 +20,7 @@ REDACTED = "***"
 # Shorter values are not redacted: replacing "1" or "true" everywhere would garble every log line, and a secret that
 # short is no secret.
 MIN_SECRET_CHARS = 8
-SECRET_NAME = re.compile(r"(TOKEN|_KEY$|^KEY$|API_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE)", re.IGNORECASE)
+SECRET_NAME = re.compile(r"(TOKEN|_KEY$|^KEY$|API_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
 
 # What the environment server and its Chromium keep of the launcher's environment, and why.
 BROWSER_SIDE_VARIABLES: dict[str, str] = {

@@ -52,7 +52,9 @@ Where the flags go
     ``AgentLoopOutput.extra_fields`` of the returned sample (of every step sample in step-wise mode), written at the
     end of ``run`` (never before the first generation, which would stop verl copying ``min/max_global_steps``):
     ``env_invalid``, ``env_failure_kind``, ``env_failure_reason``, ``env_attempts``, ``deadline_hit``,
-    ``reward_source``, plus ``env_failed_attempt_kinds``, ``env_episode_wall_s``, ``env_refused_navigations``,
+    ``reward_source``, plus ``env_failed_attempt_kinds``, ``env_failed_after_action_kinds`` (the kinds of the failed
+    attempts in which a tool call of the policy's had reached the episode), ``env_episode_wall_s``,
+    ``env_refused_navigations``,
     ``env_browser_actions`` (calls that acted on the page, ``finish`` not counted: 0 for an answer given without
     browsing) for metrics (and ``env_step`` / ``env_steps`` in step-wise mode), and numeric copies under
     ``reward_extra_info`` (see :mod:`nemo_gym_browser.episode_metrics`).
@@ -179,6 +181,7 @@ class _AttemptOutcome:
     deadline_hit: bool = False
     refused_navigations: int = 0
     browser_actions: int = 0
+    policy_acted: bool = False  # a tool call of the policy's reached the episode before it ended
     episode: BrowserEpisode | None = None  # the attempt's steps, for trajectories
 
 
@@ -190,6 +193,7 @@ class _Rollout:
     started: float = field(default_factory=time.monotonic)
     attempts: int = 0
     failed_kinds: list[str] = field(default_factory=list)
+    failed_after_action_kinds: list[str] = field(default_factory=list)  # the failed attempts the policy had acted in
     timings: dict[str, float] = field(default_factory=lambda: {"generate_sequences": 0.0, "tool_calls": 0.0})
     outcome: _AttemptOutcome = field(default_factory=lambda: _AttemptOutcome(outputs=[], failure=None))
 
@@ -299,6 +303,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if outcome.failure is None:
                 return
             rollout.failed_kinds.append(outcome.failure.kind.value)
+            if outcome.policy_acted:
+                rollout.failed_after_action_kinds.append(outcome.failure.kind.value)
             # The judge was already asked again on the same evidence; a new episode would give it nothing new.
             final = attempt == max_attempts or outcome.failure.kind is FailureKind.JUDGE_UNUSABLE
             logger.warning(
@@ -329,6 +335,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             failure_kind=outcome.failure.kind.value,
             attempts=rollout.attempts,
             failed_attempt_kinds=rollout.failed_kinds,
+            failed_after_action_kinds=rollout.failed_after_action_kinds,
             episode_wall_s=time.monotonic() - rollout.started,
             deadline_hit=outcome.deadline_hit,
             refused_navigations=outcome.refused_navigations,
@@ -347,6 +354,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             "deadline_hit": outcome.deadline_hit,
             "reward_source": None if invalid else outcome.reward_source,
             "env_failed_attempt_kinds": rollout.failed_kinds,
+            "env_failed_after_action_kinds": rollout.failed_after_action_kinds,
             "env_episode_wall_s": round(time.monotonic() - rollout.started, 4),
             "env_refused_navigations": outcome.refused_navigations,
             "env_browser_actions": outcome.browser_actions,
@@ -428,6 +436,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         outcome.deadline_hit = episode.deadline_hit
         outcome.refused_navigations = episode.refused_navigations
         outcome.browser_actions = episode.browser_actions
+        outcome.policy_acted = episode.policy_acted
         outcome.episode = episode
         return outcome
 

@@ -38,13 +38,14 @@ verl's ``collate_fn`` makes one column per key)
 
 Guarantees
     A sample is a fresh copy: mutating it (verl appends to the messages) never changes the dataset. Loading
-    fails on the first malformed row, naming its file and line, and on a dataset without rows.
+    fails on the first malformed row, naming its file and line (malformed or non-finite JSON, a duplicate key,
+    deep nesting, a start URL that is not http(s) or a path inside the server's folder), and on a dataset without
+    rows.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -56,6 +57,7 @@ from torch.utils.data import Dataset
 
 from .browser_calls import SINGLE_TOOL_NAME, TOOL_NAMES
 from .browser_tool import AGENT_LOOP_NAME
+from .rows import RowValueError, parse_row_json
 from .tasks import InputError, Task, task_from_nemo_gym_row
 
 logger = logging.getLogger(__name__)
@@ -157,9 +159,9 @@ def read_rows(path: Path) -> list[Task]:
             if not text.strip():
                 continue
             try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise RowError(f"{location}: malformed JSON: {exc.msg} (column {exc.colno})") from exc
+                obj = parse_row_json(text)
+            except RowValueError as exc:
+                raise RowError(f"{location}: {exc}") from None
             if not isinstance(obj, Mapping) or "responses_create_params" not in obj:
                 raise RowError(
                     f"{location}: not a NeMo Gym row (no 'responses_create_params'); see prepare_webvoyager_data.py"

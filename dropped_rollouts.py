@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from . import named_actors
@@ -94,6 +94,7 @@ def dropped_flags(
     attempts: int,
     failed_attempt_kinds: list[str],
     episode_wall_s: float,
+    failed_after_action_kinds: Sequence[str] = (),
     deadline_hit: bool = False,
     refused_navigations: int = 0,
     browser_actions: int = 0,
@@ -106,6 +107,7 @@ def dropped_flags(
         "deadline_hit": deadline_hit,
         "reward_source": None,
         "env_failed_attempt_kinds": list(failed_attempt_kinds),
+        "env_failed_after_action_kinds": list(failed_after_action_kinds),
         "env_episode_wall_s": round(episode_wall_s, 4),
         "env_refused_navigations": refused_navigations,
         "env_browser_actions": browser_actions,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -61,6 +62,7 @@ from .browser_calls import (
     BROWSER_TYPE,
     TOOL_NAMES,
 )
+from .credentials import redact, secret_values
 from .failures import EnvironmentFailure, FailureKind
 from .placement import Grant, Orphan, Placement, PlacementUnavailable, SessionTicket, make_placement
 from .rows import VERIFIER_KEYS as VERIFIER_KEYS  # re-exported: callers of the client import the rule from here
@@ -176,7 +178,9 @@ def _verify_body(rollout_id: str) -> dict[str, Any]:
 
 
 def _brief(text: object) -> str:
-    return shorten(str(text), _DETAIL_CHARS, one_line=True)
+    """Server text as a failure reason or log detail: short, and without any credential of this process (a server
+    may echo what it was sent or learnt), taken out before the cut."""
+    return shorten(redact(str(text), secret_values(os.environ)), _DETAIL_CHARS, one_line=True)
 
 
 # ----- servers ------------------------------------------------------------------------------------------------

@@ -139,6 +139,12 @@ class BrowserEpisode:
         self._page_changed = False
 
     @property
+    def policy_acted(self) -> bool:
+        """Whether a tool call of the policy's reached this episode (valid or not): a failure after that may be the
+        policy's doing dressed as the environment's, and is counted apart (``env/failed_after_action/*``)."""
+        return self.tool_calls > 0 or self.policy_errors > 0 or self.refused_navigations > 0
+
+    @property
     def over(self) -> bool:
         """No further action or generation makes sense (infrastructure failed, deadline passed, task finished)."""
         return self.failure is not None or self.deadline_hit or self.finished

@@ -3,8 +3,10 @@
 What this module owns
     The reduction of a batch's per-sample ``extra_fields`` flags (see ``browser_agent_loop``) to scalar
     metrics: the invalid rate, every failure kind (of failed attempts, and of samples still invalid at the end),
-    attempts, resampled and recovered rates, deadline hits, the verify/judge split of rewards, refused
-    navigations and the episode wall time. Pure Python over mappings and numpy columns: no torch, no verl.
+    attempts, resampled and recovered rates, failed attempts before and after the policy acted (by kind: a policy
+    that learns to fail "infrastructurally" shows there, see :mod:`exclusion_watch`), deadline hits, the
+    verify/judge split of rewards, refused navigations and the episode wall time. Pure Python over mappings and
+    numpy columns: no torch, no verl.
     Rollouts the drop switch removed (``dropped_rollouts``) count as what they were, invalid samples: every rate
     is over all the step's rollouts, kept and dropped, so the numbers do not depend on the switch; how many were
     dropped is ``env/dropped_count``.
@@ -40,6 +42,7 @@ FLAG_KEYS = (
     "deadline_hit",
     "reward_source",
     "env_failed_attempt_kinds",
+    "env_failed_after_action_kinds",
     "env_episode_wall_s",
     "env_refused_navigations",
     "env_browser_actions",
@@ -80,9 +83,11 @@ def episode_metrics(
     resampled = [a > 1 for a in attempts]
     wall = [float(row.get("env_episode_wall_s") or 0.0) for row in flagged]
     failed_attempts: Counter[str] = Counter()
+    after_action: Counter[str] = Counter()
     final_kinds: Counter[str] = Counter()
     for row, is_invalid in zip(flagged, invalid, strict=True):
         failed_attempts.update(str(kind) for kind in (row.get("env_failed_attempt_kinds") or ()))
+        after_action.update(str(kind) for kind in (row.get("env_failed_after_action_kinds") or ()))
         if is_invalid and row.get("env_failure_kind"):
             final_kinds[str(row["env_failure_kind"])] += 1
     metrics = {
@@ -93,6 +98,10 @@ def episode_metrics(
         "env/resampled_rate": sum(resampled) / n,
         "env/recovered_rate": sum(r and not i for r, i in zip(resampled, invalid, strict=True)) / n,
         "env/attempts/mean": sum(attempts) / n,
+        # Failed attempts over all attempts, split by whether a tool call of the policy's had reached the episode:
+        # before it, the environment failed on its own (the health signal); after it, the policy may be the cause.
+        "env/failed_before_action_rate": (failed_attempts - after_action).total() / sum(attempts),
+        "env/failed_after_action_rate": after_action.total() / sum(attempts),
         "env/attempts/max": float(max(attempts)),
         "env/deadline_hit_rate": sum(bool(row.get("deadline_hit")) for row in flagged) / n,
         "env/reward_source/verify": sum(row.get("reward_source") == "verify" for row in flagged) / n,
@@ -107,6 +116,7 @@ def episode_metrics(
     for kind in FAILURE_KINDS:
         metrics[f"env/failed_attempts/{kind}"] = float(failed_attempts.get(kind, 0))
         metrics[f"env/invalid/{kind}"] = float(final_kinds.get(kind, 0))
+        metrics[f"env/failed_after_action/{kind}"] = float(after_action.get(kind, 0))
     lengths = [int(row["env_steps"]) for row in flagged if row.get("env_steps") is not None]
     if lengths:  # step-wise samples present
         metrics["env/step_samples"] = float(sum(1 for row in samples if row.get("env_steps") is not None))

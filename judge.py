@@ -55,13 +55,14 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .credentials import redact, secret_values
 from .judge_prompt import (  # re-exported (see __all__): callers import the judge's vocabulary from here
     DATA_BEGIN,
     DATA_END,
@@ -206,18 +207,20 @@ def _content_text(content: str | list[Any] | None) -> str | None:
 
 
 class _Secret:
-    """Holds the API key; prints as a placeholder wherever it ends up."""
+    """Holds the API key; prints as a placeholder wherever it ends up. :meth:`scrub` takes the key and every other
+    credential of this process (``credentials.secret_values``) out of text an endpoint sent."""
 
-    __slots__ = ("_value",)
+    __slots__ = ("_others", "_value")
 
-    def __init__(self, value: str) -> None:
+    def __init__(self, value: str, others: frozenset[str] = frozenset()) -> None:
         self._value = value
+        self._others = others
 
     def reveal(self) -> str:
         return self._value
 
     def scrub(self, text: str) -> str:
-        return text.replace(self._value, "***") if self._value else text
+        return redact(text, {self._value, *self._others})
 
     def __repr__(self) -> str:
         return "<secret>"
@@ -271,7 +274,7 @@ class BinaryJudge:
                     f"the judge API key variable {config.api_key_env!r} is unset or empty in this process "
                     "(export it before `ray start` on every node, or set api_key_env to null for a keyless server)"
                 )
-        self._key = _Secret(key)
+        self._key = _Secret(key, secret_values(os.environ, [config.api_key_env]))
         self._url = config.base_url.rstrip("/") + "/chat/completions"
         self._cache: OrderedDict[str, Verdict] = OrderedDict()
         self._inflight: dict[str, asyncio.Task[Verdict]] = {}
@@ -494,7 +497,7 @@ class BinaryJudge:
             parsed = ChatCompletionResponse.model_validate_json(raw)
         except ValidationError as exc:
             return _Attempt(None, f"unparseable response body ({exc.error_count()} error(s))")
-        return _read_choice(parsed)
+        return _read_choice(parsed, self._key.scrub)
 
 
 def _error_code(raw: bytes) -> str | None:
@@ -507,20 +510,24 @@ def _error_code(raw: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
-def _read_choice(parsed: ChatCompletionResponse) -> _Attempt:
-    """A well-formed reply: a verdict, or an answer without one (``answered``); no message at all is malformed."""
+def _read_choice(parsed: ChatCompletionResponse, scrub: Callable[[str], str]) -> _Attempt:
+    """A well-formed reply: a verdict, or an answer without one (``answered``); no message at all is malformed.
+
+    The reply's text is scrubbed of credentials before any of it is cut into a reason: an endpoint may echo a key.
+    """
     if not parsed.choices or parsed.choices[0].message is None:
         return _Attempt(None, "response has no message")
     choice = parsed.choices[0]
     message = choice.message
     assert message is not None
     if message.refusal:
-        return _Attempt(None, f"refusal: {_excerpt(message.refusal)}", answered=True)
+        return _Attempt(None, f"refusal: {_excerpt(scrub(message.refusal))}", answered=True)
     if choice.finish_reason == "length":
         return _Attempt(None, "answer truncated (finish_reason=length)", answered=True)
     if choice.finish_reason == "content_filter":
         return _Attempt(None, "answer withheld (finish_reason=content_filter)", answered=True)
     content = _content_text(message.content)
+    content = scrub(content) if content is not None else None
     success, reason = parse_verdict_text(content)
     if success is None and reason == "empty content" and (message.reasoning_content or message.reasoning):
         reason = "empty content (a reasoning field is present; it is never read for a verdict)"

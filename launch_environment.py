@@ -13,6 +13,7 @@ Backends:
 
 Guarantees:
 - Everything binds 127.0.0.1 only.
+- The server and Chromium get an allow-listed environment (:mod:`credentials`): no key or token of ours.
 - Every wait is bounded; a server that does not come up raises :class:`EnvironmentStartError` with a diagnosis and
   the tail of its log.
 - ``stop()`` (also on ``with`` exit, Ctrl-C, SIGTERM in the CLI, and interpreter exit) ends everything this object
@@ -56,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from nemo_gym_browser.credentials import browser_side_environment
 from nemo_gym_browser.processes import (
     Proc,
     all_processes,
@@ -350,17 +352,16 @@ class LocalEnvironment:
         return self
 
     def _child_env(self) -> dict[str, str]:
+        """The allow-listed environment of the server and Chromium: they render untrusted pages, so none of our
+        credentials (judge key, HF_TOKEN, WANDB_API_KEY, RAY_AUTH_TOKEN, ...) and no Python settings of ours."""
         assert self.workdir is not None
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_GYM_")}
-        for leaked in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
-            env.pop(leaked, None)
         # Everything a child writes lands in our folder and names it on its command line, so stop() can find
         # stragglers by it: Chromium's crash handlers (they daemonize) and Playwright's browser profiles.
+        folders = {}
         for var, sub in (("TMPDIR", "tmp"), ("XDG_CONFIG_HOME", "xdg-config")):
             (self.workdir / sub).mkdir(exist_ok=True)
-            env[var] = str(self.workdir / sub)
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
+            folders[var] = str(self.workdir / sub)
+        return browser_side_environment(os.environ, **folders, PYTHONUNBUFFERED="1")
 
     def _start_browser_side(self) -> dict:
         assert self.workdir is not None

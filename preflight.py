@@ -384,23 +384,45 @@ def is_loopback_url(url: str) -> bool:
 def probe_judge(base_url: str, model: str, api_key_env: str | None) -> str | None:
     """None when ``GET {base_url}/models`` answers and lists ``model``; else what is wrong (never the key).
 
-    Runs in this process and, pickled with this script, inside a Ray worker on every node: self-contained on purpose.
+    A redirect is reported, never followed: urllib would carry the ``Authorization`` header to wherever it points.
+    Whatever the endpoint sends back is shown without the key. Runs in this process and, pickled with this script,
+    inside a Ray worker on every node: self-contained on purpose.
     """
+
+    class RefuseRedirects(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None  # urllib then raises the 3xx as an HTTPError
+
+    key = ""
     request = urllib.request.Request(base_url.rstrip("/") + "/models")
     if api_key_env:
-        key = os.environ.get(api_key_env)
+        key = os.environ.get(api_key_env) or ""
         if not key:
             return f"the judge key variable {api_key_env} is not set"
         request.add_header("Authorization", f"Bearer {key}")
+
+    def shown(text: object) -> str:
+        return str(text).replace(key, "***") if key else str(text)
+
+    opener = urllib.request.build_opener(RefuseRedirects)
     try:
-        with urllib.request.urlopen(request, timeout=JUDGE_PROBE_TIMEOUT_S) as response:
+        with opener.open(request, timeout=JUDGE_PROBE_TIMEOUT_S) as response:
             body = json.loads(response.read().decode("utf-8", "replace"))
-    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
-        return f"judge endpoint {base_url}/models did not answer ({exc})"
+    except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            target = urlsplit(exc.headers.get("Location") or "")
+            where = f"{target.scheme}://{target.netloc}" if target.netloc else "a path on the same server"
+            return shown(
+                f"judge endpoint {base_url}/models redirects (HTTP {exc.code}) to {where}; the probe does not follow "
+                "redirects, which would carry the judge key along: set JUDGE_BASE_URL to the address that answers"
+            )
+        return shown(f"judge endpoint {base_url}/models did not answer (HTTP {exc.code}: {exc.reason})")
+    except (urllib.error.URLError, TimeoutError, OSError, ValueError, RecursionError) as exc:
+        return shown(f"judge endpoint {base_url}/models did not answer ({type(exc).__name__}: {exc})")
     data = body.get("data") if isinstance(body, dict) else None
     served = [item.get("id") for item in data or [] if isinstance(item, dict)]
     if model not in served:
-        return f"judge endpoint {base_url} serves {served}, not {model!r} (JUDGE_MODEL)"
+        return shown(f"judge endpoint {base_url} serves {served}, not {model!r} (JUDGE_MODEL)")
     return None
 
 

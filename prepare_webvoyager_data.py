@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from nemo_gym_browser.browser_calls import SINGLE_TOOL_NAME
 from nemo_gym_browser.named_dates import DateCheck, check_dates
-from nemo_gym_browser.rows import VERIFIER_KEYS
+from nemo_gym_browser.rows import VERIFIER_KEYS, RowValueError, parse_row_json
 from nemo_gym_browser.task_rows import TOOL_INTERFACES, build_row
 from nemo_gym_browser.tasks import (
     ID_FIELDS,
@@ -80,9 +80,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
             if not text.strip():
                 continue
             try:
-                yield location, json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield location, InputError(location, f"malformed JSON: {exc.msg} (column {exc.colno})")
+                yield location, parse_row_json(text)
+            except RowValueError as exc:
+                yield location, InputError(location, str(exc))
 
 
 def _count_lines(path: Path) -> int:
@@ -159,7 +159,7 @@ def write_jsonl_files(outputs: Mapping[Path, Iterable[Mapping[str, Any]]]) -> No
             os.fchmod(handle, 0o666 & ~umask)  # mkstemp makes 0600; an output file gets the usual mode
             with os.fdopen(handle, "w", encoding="utf-8") as stream:
                 for row in rows:
-                    stream.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    stream.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
                 stream.flush()
                 os.fsync(stream.fileno())
         for temporary, path in temporaries:

@@ -11,6 +11,11 @@ A row (one JSONL line) carries
                                        (``tasks.task_from_nemo_gym_row`` validates them).
 
 What this module owns
+    The rule for ``initial_url`` (:func:`validate_initial_url`): an http(s) URL with a host, or a path inside the
+    server's folder; never ``file:``, ``javascript:``, ``chrome:``, ``data:``, ``about:`` or another scheme (the
+    URL guard honours the start page's origin, so ``file:///index.html`` would open all of ``/`` to the policy).
+    Reading a row's JSON (:func:`parse_row_json`): ``NaN``/``Infinity``, duplicate keys and nesting deeper than
+    :data:`MAX_ROW_DEPTH` are refused, since Python's ``json`` would accept the first two silently.
     The one rule for ``verifier_metadata`` (:func:`validate_verifier_metadata`). Data preparation, the dataset,
     preflight and the environment client all apply it, so a row is judged the same wherever it was built. The rule
     follows what the 0.7.0 server's ``_score`` does (pinned by ``tests/test_real_server_raw.py``):
@@ -30,12 +35,115 @@ Guarantees
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from typing import Any
+
+from .url_safety import WEB_SCHEMES, UrlRefused, parse_web_url, url_scheme
 
 # The grading keys the 0.7.0 server knows, in the order its _score tries them; it grades the first one present.
 VERIFIER_KEYS = ("answer_equals", "final_url", "url_contains", "dom_contains")
 _PRECEDENCE = " > ".join(VERIFIER_KEYS)
+
+
+# A row nests about eight levels deep (responses_create_params.tools[].parameters.properties.<name>.enum); far
+# deeper is not a row, and Python's json raises RecursionError near a thousand.
+MAX_ROW_DEPTH = 64
+_CONTROL_CHARACTERS = frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
+
+
+class RowValueError(ValueError):
+    """A row (its JSON or a field) this recipe refuses. The message has no location: callers that read rows from a
+    file prefix their own (``file:line``)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise RowValueError(f"{name} is not JSON (a number must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise RowValueError(f"{text} is out of range for a JSON number")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise RowValueError(f"duplicate key {key!r} in one object (JSON readers disagree on which value wins)")
+        seen[key] = value
+    return seen
+
+
+def json_depth_exceeds(value: Any, limit: int = MAX_ROW_DEPTH) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` deep (iterative: no recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping | list | tuple):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, Mapping) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def parse_row_json(text: str) -> Any:
+    """One JSON value from ``text``, strictly: :class:`RowValueError` for malformed JSON, ``NaN``/``Infinity`` (or a
+    number that overflows to it), a duplicate key, or nesting deeper than :data:`MAX_ROW_DEPTH`."""
+    try:
+        value = json.loads(
+            text, parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
+        )
+    except json.JSONDecodeError as exc:
+        raise RowValueError(f"malformed JSON: {exc.msg} (column {exc.colno})") from None
+    except RowValueError:
+        raise
+    except RecursionError:
+        raise RowValueError(f"JSON nested more than {MAX_ROW_DEPTH} levels deep") from None
+    except ValueError as exc:  # a huge integer literal
+        raise RowValueError(f"malformed JSON: {exc}") from None
+    if json_depth_exceeds(value):
+        raise RowValueError(f"JSON nested more than {MAX_ROW_DEPTH} levels deep")
+    return value
+
+
+def validate_initial_url(value: Any) -> str | None:
+    """``value`` if the server may open it at seed time, else :class:`RowValueError` saying why; None stays None.
+
+    Allowed: an http(s) URL with a host the browser can read, or a relative path inside the server's folder (no
+    leading ``/``, no ``..``). The server takes a relative path to a ``file:`` page under its own folder.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RowValueError(f"'initial_url' must be a non-empty string, got {json.dumps(value, default=str)[:60]}")
+    if value != value.strip() or any(char in _CONTROL_CHARACTERS for char in value):
+        raise RowValueError(
+            f"'initial_url' {value[:80]!r} has surrounding spaces or control characters (the browser would read "
+            "another URL than the one checked)"
+        )
+    scheme = url_scheme(value)
+    if scheme is not None and scheme not in WEB_SCHEMES:
+        raise RowValueError(
+            f"'initial_url' must be an http(s) URL or a path inside the server's folder, not a {scheme}: URL "
+            f"({value[:80]!r})"
+        )
+    if scheme is not None:
+        try:
+            parse_web_url(value)
+        except UrlRefused as exc:
+            raise RowValueError(f"'initial_url' is not a usable web URL: {exc}") from None
+        return value
+    segments = value.replace("\\", "/").split("/")
+    if value.startswith(("/", "\\")) or ".." in segments:
+        raise RowValueError(
+            f"'initial_url' {value[:80]!r} leaves the server's folder; a relative start page must stay inside it"
+        )
+    return value
 
 
 class VerifierMetadataError(ValueError):

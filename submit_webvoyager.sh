@@ -287,6 +287,10 @@ export RAY_AUTH_MODE=token
 RAY_AUTH_TOKEN="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
 export RAY_AUTH_TOKEN
 if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then export "${JUDGE_API_KEY_ENV?}"; fi
+# The environment servers and smoke episodes run without the job's credentials: a server renders untrusted pages and
+# needs none (launch_environment.py also gives its server and Chromium an allow-listed environment, credentials.py).
+NO_CREDENTIALS=(env -u RAY_AUTH_TOKEN -u HF_TOKEN -u HUGGING_FACE_HUB_TOKEN -u WANDB_API_KEY -u OPENAI_API_KEY)
+if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then NO_CREDENTIALS+=(-u "${JUDGE_API_KEY_ENV}"); fi
 
 RUN_DIR="${LOG_DIR}/${RUN_ID}"
 mkdir -p "${RUN_DIR}"
@@ -617,7 +621,7 @@ if [[ -z "${ENV_SERVER_URLS}" ]]; then
         for ((k = 0; k < ENV_SERVERS_PER_NODE; k++)); do
             port=$((ENV_BASE_PORT + k))
             logfile="${RUN_DIR}/env-${node}-${port}.log"
-            launch "env-${node}-${port}" "${node}" "${logfile}" "${env_prefix[@]}" "${PYTHON}" \
+            launch "env-${node}-${port}" "${node}" "${logfile}" "${env_prefix[@]}" "${NO_CREDENTIALS[@]}" "${PYTHON}" \
                 "${RECIPE_DIR}/launch_environment.py" --port "${port}" --backend "${ENV_BACKEND}" \
                 --gym-venv "${GYM_VENV}" --startup-timeout "${ENV_STARTUP_TIMEOUT_S}" --no-probe
             ENV_LOGS["${LAST_PID}"]="${logfile}"
@@ -644,7 +648,7 @@ for node in "${NODES[@]}"; do
     logfile="${RUN_DIR}/smoke-${node}.log"
     # One smoke per server, in turn, from the node itself: exactly the address its rollout workers will use.
     # shellcheck disable=SC2016  # expanded by the inner bash
-    run_on "${node}" timeout "$((SMOKE_TIMEOUT_S * ${#URLS[@]} + 30))" bash -c '
+    run_on "${node}" "${NO_CREDENTIALS[@]}" timeout "$((SMOKE_TIMEOUT_S * ${#URLS[@]} + 30))" bash -c '
         py="$1"; script="$2"; timeout_s="$3"; shift 3
         for url in "$@"; do
             echo "== smoke ${url}"

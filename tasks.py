@@ -9,6 +9,8 @@ What this module owns
       task fields this recipe adds (``task_id``, ``site``, ``question``, ``reference_answer``,
       ``reference_type``, ``data_source``, ``task_metadata``). Records that carry ``responses_create_params`` are
       such rows (:func:`parse_record`).
+    * Applying the one ``initial_url`` rule (:func:`rows.validate_initial_url`) to every task, and refusing
+      records that JSON cannot carry (``NaN``, ``Infinity``, deep nesting) before they reach an output file.
     * Applying the one ``verifier_metadata`` rule (:func:`rows.validate_verifier_metadata`) to every task: an
       unknown key, an empty value or several keys (the server silently grades only the first) is refused with
       the record's location, not found as a 500 or a wrong reward at verify time, long after the data was made.
@@ -30,7 +32,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .rows import VerifierMetadataError, validate_verifier_metadata
+from .rows import (
+    MAX_ROW_DEPTH,
+    RowValueError,
+    VerifierMetadataError,
+    json_depth_exceeds,
+    validate_initial_url,
+    validate_verifier_metadata,
+)
 
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
@@ -115,6 +124,24 @@ def _verifier_metadata(value: Any, location: str) -> dict[str, str] | None:
         raise InputError(location, str(exc)) from exc
 
 
+def _initial_url(value: Any, location: str, name: str = "initial_url") -> Any:
+    """The start URL under the one rule (:func:`rows.validate_initial_url`), located on refusal."""
+    try:
+        return validate_initial_url(value)
+    except RowValueError as exc:
+        raise InputError(location, str(exc).replace("'initial_url'", f"'{name}'", 1)) from None
+
+
+def check_plain_json(obj: Any, location: str) -> None:
+    """A record from a dataset (not JSON text) holds only what JSON can carry: finite numbers, bounded nesting."""
+    if json_depth_exceeds(obj):
+        raise InputError(location, f"the record nests more than {MAX_ROW_DEPTH} levels deep")
+    try:
+        json.dumps(obj, allow_nan=False, default=str)
+    except ValueError:
+        raise InputError(location, "the record holds NaN or Infinity, which JSON cannot carry") from None
+
+
 def _json_safe(value: Any, location: str, name: str) -> Any:
     """``value`` as plain JSON data (dates from columnar datasets become ISO strings)."""
 
@@ -142,14 +169,10 @@ def task_from_webvoyager(obj: Mapping[str, Any], location: str) -> Task:
     question = _require_text(question, q_field or "ques", location)
     url_field, url, url_conflicts = _pick(obj, URL_FIELDS)
     url = _require_text(url, url_field or "web", location)
-    parts = urlsplit(url.strip())
     # A relative path is a page under the environment server's own folder (the server turns it into file://),
     # as in NeMo Gym's bundled examples; anything else must be a web URL.
-    relative = not parts.scheme and not parts.netloc and not url.strip().startswith("/") and ".." not in parts.path
-    if not relative and (parts.scheme not in ("http", "https") or not parts.netloc):
-        raise InputError(
-            location, f"'{url_field}' must be an http(s) URL or a path relative to the server's folder, got {url!r}"
-        )
+    url = _initial_url(url.strip(), location, url_field or "web")
+    parts = urlsplit(url)
     site_field, site, site_conflicts = _pick(obj, SITE_FIELDS)
     site = _require_text(site, site_field or "web_name", location, allow_none=True)
     if site is None:
@@ -221,7 +244,9 @@ def task_from_nemo_gym_row(row: Mapping[str, Any], location: str) -> Task:
     if not isinstance(rcp, Mapping):
         raise InputError(location, "'responses_create_params' must be an object")
     messages = normalize_messages(rcp.get("input"), location)
-    initial_url = _require_text(row.get("initial_url"), "initial_url", location, allow_none=True)
+    initial_url = _initial_url(
+        _require_text(row.get("initial_url"), "initial_url", location, allow_none=True), location
+    )
     task_id = row.get("task_id")
     id_derived = task_id is None
     if id_derived:
@@ -254,6 +279,7 @@ def task_from_nemo_gym_row(row: Mapping[str, Any], location: str) -> Task:
 def parse_record(obj: Any, location: str) -> Task:
     if not isinstance(obj, Mapping):
         raise InputError(location, f"expected a JSON object, got {type(obj).__name__}")
+    check_plain_json(obj, location)
     if "responses_create_params" in obj:
         return task_from_nemo_gym_row(obj, location)
     return task_from_webvoyager(obj, location)

@@ -40,7 +40,8 @@ Step metrics (the ``env/*`` keys of :mod:`episode_metrics`)
       :func:`episode_metrics.episode_metrics` of the samples' TransferQueue ``extra_fields`` dicts, without the
       synthetic padding samples verl appends (tagged ``is_padding``; they copy a real sample's fields).
 
-    Both are logged with verl's own metrics by verl's ``Tracking`` logger, every step, under the same keys.
+    Both are logged with verl's own metrics by verl's ``Tracking`` logger, every step, under the same keys; both
+    also feed :mod:`exclusion_watch` (its warning when the share kept out of the baseline keeps rising).
 
     Rollouts the drop switch removed never reach TransferQueue, so V1's metrics also take them from the run's
     ledger (:mod:`dropped_rollouts`): the drops of every prompt group that is no longer waiting in TransferQueue's
@@ -282,12 +283,14 @@ def make_data_metrics_wrapper(original: Callable[..., Any]) -> Callable[..., Any
     @functools.wraps(original)
     def compute_data_metrics(*args: Any, **kwargs: Any) -> Any:
         from .episode_metrics import metrics_from_columns
+        from .exclusion_watch import observe_step
 
         metrics = original(*args, **kwargs)
         batch = signature.bind(*args, **kwargs).arguments["batch"]
         env_metrics = metrics_from_columns(batch.non_tensor_batch or {})
         if env_metrics:  # without flags: verl's own dict, untouched
             metrics.update(env_metrics)
+            observe_step(env_metrics)
         return metrics
 
     return compute_data_metrics
@@ -300,6 +303,7 @@ def make_v1_compute_metrics_wrapper(original: Callable[..., Any]) -> Callable[..
     def _compute_metrics(*args: Any, **kwargs: Any) -> Any:
         from . import dropped_rollouts
         from .episode_metrics import episode_metrics
+        from .exclusion_watch import observe_step
 
         result = original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
@@ -311,7 +315,10 @@ def make_v1_compute_metrics_wrapper(original: Callable[..., Any]) -> Callable[..
         real = [row for row, tag in zip(rows, tags, strict=True) if not tag.get(PADDING_TAG, False)]
         waiting = _waiting_train_groups()
         dropped = dropped_rollouts.take(waiting=waiting) if waiting is not None else []
-        metrics.update(episode_metrics(real, dropped))  # {} when no real sample carries flags and none was dropped
+        env_metrics = episode_metrics(real, dropped)  # {} when no real sample carries flags and none was dropped
+        metrics.update(env_metrics)
+        if env_metrics:
+            observe_step(env_metrics)
         return result
 
     return _compute_metrics

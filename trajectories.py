@@ -14,11 +14,13 @@ What this module owns
       to write is logged once per folder and never fails the rollout.
 
 What a record never holds
-    * Secrets. The judge's key lives in the judge's config and never reaches an episode. URLs (the start URL, the
-      last page, URLs inside steps and failure reasons) may carry credentials: their user-info is removed and the
-      values of query parameters whose name looks like a credential (``token``, ``key``, ``secret``, ``password``,
-      ``auth``, ``session``, ``sig`` ...) are replaced by ``REDACTED``; other parameters (a search query) are kept,
-      because a reader needs them to follow the episode.
+    * Secrets. The judge's key lives in the judge's config and never reaches an episode; no credential of the
+      writing process (``credentials.secret_values``) appears in a line. URLs (the start URL, the last page, URLs
+      inside steps, answers, page text and failure reasons) may carry credentials: their user-info is removed and
+      the values of parameters whose name looks like a credential (``token``, ``key``, ``secret``, ``password``,
+      ``auth``, ``session``, ``sig`` ...) are replaced by ``REDACTED``, in the query, the fragment and ``;``
+      parameters alike; other parameters (a search query) are kept, because a reader needs them to follow the
+      episode. Folders are created 0700 and files 0600: only the run's user reads them.
     * Unbounded text: arguments, results, the final answer and the page text are cut to fixed lengths.
     * Rollouts the drop switch removed (``NEMO_GYM_BROWSER_DROP_INVALID=1``): the loop returns before writing;
       the run's ledger of dropped rollouts counts them.
@@ -38,8 +40,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
+from .credentials import redact, secret_values
 from .environment import parse_observation
 from .text import shorten
 
@@ -56,11 +59,16 @@ PAGE_TEXT_CHARS = 600
 REASON_CHARS = 500
 MAX_STEPS = 200  # a record keeps the first steps beyond this many (a turn limit is far below)
 REDACTED = "REDACTED"
+RECORD_DIR_MODE = 0o700
+RECORD_FILE_MODE = 0o600
 # Query parameter names whose values are treated as credentials.
 _SECRET_PARAMETER = re.compile(
     r"(token|key|secret|passw|pwd|auth|session|sid|sig|credential|cookie|code|bearer|jwt)", re.IGNORECASE
 )
-_URL = re.compile(r"https?://[^\s'\"<>]+", re.IGNORECASE)
+# name=value pairs: in a query or fragment (after ?, &, ; or #) up to the next separator; in a path after ;.
+_QUERY_PARAMETER = re.compile(r"(?P<lead>[?&;#/])(?P<name>[^=?&;#/]+)=(?P<value>[^&;#]*)")
+_PATH_PARAMETER = re.compile(r"(?P<lead>;)(?P<name>[^=?&;#/]+)=(?P<value>[^;/?#]*)")
+_URL = re.compile(r"\b[a-z][a-z0-9+.\-]*://[^\s'\"<>]+", re.IGNORECASE)  # any scheme: file: and ftp: URLs too
 # A step line of BrowserEpisode: "click(element_id=3) -> ok", "navigate(url='...') -> refused", "x: invalid call (...)".
 _STEP_LINE = re.compile(r"^(?P<action>\w+)\((?P<arguments>.*?)\) -> (?P<result>.*)$", re.DOTALL)
 _INVALID_LINE = re.compile(r"^(?P<action>[\w.-]+): (?P<result>invalid call .*)$", re.DOTALL)
@@ -87,25 +95,34 @@ def _cut(text: Any, limit: int) -> str | None:
     return shorten(str(text), limit)
 
 
+def _redact_parameters(text: str, pattern: re.Pattern[str]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        if not _SECRET_PARAMETER.search(unquote(match.group("name"))):
+            return match.group(0)
+        return f"{match.group('lead')}{match.group('name')}={REDACTED}"
+
+    return pattern.sub(replace, text)
+
+
 def redact_url(url: str) -> str:
-    """``url`` without user-info and with credential-like query values replaced (see the module docstring)."""
+    """``url`` without user-info and with credential-like parameter values replaced (see the module docstring):
+    in the query, in the fragment (``#access_token=...``, ``#/callback?token=...``) and in ``;`` parameters of the
+    path (``;jsessionid=...``)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return url
     netloc = parts.netloc.rsplit("@", 1)[-1] if "@" in parts.netloc else parts.netloc
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(_SECRET_PARAMETER.search(name) for name, _ in pairs):
-            query = urlencode([(name, REDACTED if _SECRET_PARAMETER.search(name) else value) for name, value in pairs])
-    if netloc == parts.netloc and query == parts.query:
+    path = _redact_parameters(parts.path, _PATH_PARAMETER)
+    query = _redact_parameters("?" + parts.query, _QUERY_PARAMETER)[1:]
+    fragment = _redact_parameters("#" + parts.fragment, _QUERY_PARAMETER)[1:]
+    if (netloc, path, query, fragment) == (parts.netloc, parts.path, parts.query, parts.fragment):
         return url
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, path, query, fragment))
 
 
 def redact_text(text: str | None) -> str | None:
-    """``text`` with every http(s) URL in it passed through :func:`redact_url`."""
+    """``text`` with every URL in it (``scheme://...``) passed through :func:`redact_url`."""
     if not text:
         return text
     return _URL.sub(lambda match: redact_url(match.group(0)), text)
@@ -150,7 +167,7 @@ def _last_page(episode: Any) -> dict[str, Any] | None:
     url, title, text = parse_observation(observation)
     return {
         "url": _cut(redact_url(url), ARGUMENT_CHARS) if url else None,
-        "title": _cut(title, ARGUMENT_CHARS),
+        "title": _cut(redact_text(title), ARGUMENT_CHARS),
         "text": _cut(redact_text(text), PAGE_TEXT_CHARS),
     }
 
@@ -211,7 +228,7 @@ def episode_record(
         "version": RECORD_VERSION,
         "episode_id": episode_id,
         "task_id": getattr(spec, "task_id", None),
-        "question": _cut(getattr(spec, "question", None), ANSWER_CHARS),
+        "question": _cut(redact_text(getattr(spec, "question", None)), ANSWER_CHARS),
         "start_url": redact_url(spec.initial_url) if getattr(spec, "initial_url", None) else None,
         "global_steps": _plain_scalar(run_kwargs.get("global_steps")),
         "uid": _plain_scalar(run_kwargs.get("uid")),
@@ -221,7 +238,7 @@ def episode_record(
         "flags": flags,
         "failed_attempt_kinds": list(extra.get("env_failed_attempt_kinds") or []),
         "steps": _steps_of(episode),
-        "final_answer": _cut(getattr(episode, "final_answer", None), ANSWER_CHARS) if episode is not None else None,
+        "final_answer": _cut(redact_text(getattr(episode, "final_answer", None)), ANSWER_CHARS) if episode else None,
         "last_page": _last_page(episode),
         "last_model_turn": _last_model_turn(output, tokenizer),
         "timing": {
@@ -248,10 +265,14 @@ _write_failures_logged: set[str] = set()
 def write_record(trajectory_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> Path | None:
     """Append ``record`` as one line; a failure to write is logged (once per folder) and never fails the rollout."""
     path = record_path(trajectory_dir, record.get("global_steps"))
-    line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    # The process's own credentials never reach a record, whichever field a server or the policy put them in.
+    text = redact(json.dumps(record, ensure_ascii=False, default=str), secret_values(os.environ))
+    line = (text + "\n").encode("utf-8")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # Owner-only: records hold the policy's text and the pages it saw.
+        Path(trajectory_dir).mkdir(mode=RECORD_DIR_MODE, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=RECORD_DIR_MODE, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, RECORD_FILE_MODE)
         try:
             os.write(descriptor, line)  # one write of one whole line: concurrent rollouts never interleave
         finally:

@@ -2,23 +2,29 @@
 
 A section per training step, each GRPO group's episodes side by side with their steps, reward, flags, and the
 recipe's advantage (read from the V1 trainer's advantage log, ``NEMO_GYM_BROWSER_ADVANTAGE_LOG``) next to stock
-GRPO's (computed here from the group's rewards, failures as zeros). Static HTML with inline CSS, nothing fetched.
-The records are those :mod:`trajectories` writes; the policy's text in them (answers, typed text, URLs it chose)
-is untrusted, so the page escapes every string it shows.
+GRPO's (computed here from the group's rewards, failures as zeros). Static HTML with inline CSS, nothing fetched;
+its Content-Security-Policy allows that one style block and nothing else. The records are those
+:mod:`trajectories` writes; the policy's text in them (answers, typed text, URLs it chose) is untrusted, so the
+page escapes every string it shows, and a record of the wrong shape is refused naming its file and line.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import html
-import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from .rows import RowValueError, parse_row_json
 
 # verl's GRPO: a group of one has mean 0 and std 1; std is the unbiased one; eps as in verl.
 GRPO_EPS = 1e-6
@@ -31,24 +37,95 @@ class PageInputError(Exception):
     """A folder, record or advantage log the page cannot be built from (exit status 2)."""
 
 
+Scalar = StrictStr | StrictInt | StrictFloat | StrictBool | None
+Number = Annotated[StrictFloat | StrictInt, Field(allow_inf_nan=False)]
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _StepShape(_Shape):
+    action: Scalar = None
+    arguments: Scalar = None
+    result: Scalar = None
+    at_s: Number | None = None
+
+
+class _FlagsShape(_Shape):
+    env_invalid: StrictBool | None = None
+    env_failure_kind: Scalar = None
+    env_failure_reason: Scalar = None
+    attempts: Scalar = None
+    deadline_hit: StrictBool | None = None
+    reward_source: Scalar = None
+
+
+class _PageShape(_Shape):
+    url: Scalar = None
+    title: Scalar = None
+    text: Scalar = None
+
+
+class _RecordShape(_Shape):
+    """What the page reads of a record, with the types it relies on (other keys pass unread)."""
+
+    episode_id: StrictStr | StrictInt
+    flags: _FlagsShape
+    reward: Number | None = None
+    global_steps: Number | None = None
+    written_at: Number | None = None
+    uid: Scalar = None
+    session_id: Scalar = None
+    task_id: Scalar = None
+    question: Scalar = None
+    start_url: Scalar = None
+    final_answer: Scalar = None
+    last_model_turn: Scalar = None
+    steps: list[_StepShape] = []
+    failed_attempt_kinds: list[Scalar] = []
+    last_page: _PageShape | None = None
+
+
+def _first_problem(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "the record"
+    return f"{where}: {error['msg']}" + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line; a line that is not strict JSON raises PageInputError there."""
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PageInputError(f"{path}:{number}: not valid UTF-8 ({exc.reason})") from None
+            if not line.strip():
+                continue
+            try:
+                yield number, parse_row_json(line)
+            except RowValueError as exc:
+                raise PageInputError(f"{path}:{number}: not a JSON line ({exc})") from None
+
+
 def load_records(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every record under ``folder`` (``step-*/*.jsonl``, any depth), in file and line order."""
+    """Every record under ``folder`` (``step-*/*.jsonl``, any depth), in file and line order; a record the page
+    cannot show raises :class:`PageInputError` naming its file and line."""
     root = Path(folder)
     if not root.is_dir():
         raise PageInputError(f"{root}: not a folder (expected the trajectory_dir of a run)")
     records = []
     for path in sorted(root.rglob("*.jsonl")):
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PageInputError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-                if not isinstance(record, dict) or "episode_id" not in record or "flags" not in record:
-                    raise PageInputError(f"{path}:{number}: not a trajectory record (no episode_id or flags)")
-                records.append(record)
+        for number, record in _json_lines(path):
+            if not isinstance(record, dict) or "episode_id" not in record or "flags" not in record:
+                raise PageInputError(f"{path}:{number}: not a trajectory record (no episode_id or flags)")
+            try:
+                _RecordShape.model_validate(record)
+            except ValidationError as exc:
+                problem = _first_problem(exc)
+                raise PageInputError(f"{path}:{number}: not a trajectory record the page can show: {problem}") from None
+            records.append(record)
     if not records:
         raise PageInputError(f"{root}: no trajectory records (*.jsonl) found; was trajectory_dir set for the run?")
     return records
@@ -75,25 +152,21 @@ def load_advantage_log(path: str | os.PathLike[str]) -> dict[str, LoggedAdvantag
         raise PageInputError(f"{log}: no such advantage log (written when NEMO_GYM_BROWSER_ADVANTAGE_LOG is set)")
     finals: dict[str, tuple[int, dict[str, Any]]] = {}
     counts: dict[str, int] = {}
-    with log.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                samples = entry["samples"]
-                for sample in samples:
-                    session_key, _, index = str(sample["key"]).rpartition("_")
-                    position = int(index)
-                    float(sample["advantage"]), float(sample["score"])
-                    counts[session_key] = counts.get(session_key, 0) + 1
-                    if session_key not in finals or position >= finals[session_key][0]:
-                        finals[session_key] = (position, sample)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise PageInputError(
-                    f"{log}:{number}: not an advantage-log line ({{'step', 'samples': [{{'key', 'advantage', "
-                    f"'score', ...}}]}}): {type(exc).__name__}: {exc}"
-                ) from None
+    for number, entry in _json_lines(log):
+        try:
+            samples = entry["samples"]
+            for sample in samples:
+                session_key, _, index = str(sample["key"]).rpartition("_")
+                position = int(index)
+                float(sample["advantage"]), float(sample["score"])
+                counts[session_key] = counts.get(session_key, 0) + 1
+                if session_key not in finals or position >= finals[session_key][0]:
+                    finals[session_key] = (position, sample)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PageInputError(
+                f"{log}:{number}: not an advantage-log line ({{'step', 'samples': [{{'key', 'advantage', "
+                f"'score', ...}}]}}): {type(exc).__name__}: {exc}"
+            ) from None
     return {
         key: LoggedAdvantage(
             advantage=float(sample["advantage"]),
@@ -140,6 +213,15 @@ class Group:
     episodes: list[Episode] = field(default_factory=list)
 
 
+def _sort_key(value: Any) -> tuple[int, float, str]:
+    """Numbers first, in order, then text; None last: a key that never compares a number with a string."""
+    if value is None:
+        return (2, 0.0, "")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
+
+
 def build_groups(
     records: Iterable[Mapping[str, Any]], advantages: Mapping[str, LoggedAdvantage] | None = None
 ) -> list[Group]:
@@ -154,7 +236,7 @@ def build_groups(
     for (step, key), members in sorted(
         grouped.items(), key=lambda item: (item[0][0] is None, item[0][0] or 0, item[0][1])
     ):
-        members.sort(key=lambda r: (r.get("session_id") is None, r.get("session_id") or 0, r.get("written_at") or 0))
+        members.sort(key=lambda r: (_sort_key(r.get("session_id")), r.get("written_at") or 0))
         rewards = [float(r.get("reward") or 0.0) for r in members]  # an invalid episode is scored 0 by the loop
         group = Group(step=step, key=key)
         for record, stock in zip(members, stock_grpo_advantages(rewards), strict=True):
@@ -205,6 +287,14 @@ table.adv td{text-align:right;font:600 14px ui-monospace,monospace}.pos{color:#1
 .action{font-weight:600}code{font:12px ui-monospace,monospace;background:#eef0f4;padding:0 2px}
 .when{color:#889;font-size:11px}.answer,.page-seen,.reason,.said{font-size:12px;margin:4px 0;word-break:break-word}
 """
+
+
+# The page needs its one inline style block and nothing else: no script, image, font, frame or fetch, from anywhere.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; "
+    f"style-src 'sha256-{base64.b64encode(hashlib.sha256(_CSS.encode()).digest()).decode()}'; "
+    "base-uri 'none'; form-action 'none'"
+)
 
 
 def _e(value: Any) -> str:
@@ -324,6 +414,7 @@ def render_page(groups: Sequence[Group], *, source: str, advantage_log: str | No
         [
             "<!DOCTYPE html>",
             '<html lang="en"><head><meta charset="utf-8">',
+            f'<meta http-equiv="Content-Security-Policy" content="{_e(CONTENT_SECURITY_POLICY)}">',
             '<meta name="viewport" content="width=device-width, initial-scale=1">',
             "<title>Trajectories</title>",
             f"<style>{_CSS}</style></head><body>",

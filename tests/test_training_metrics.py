@@ -61,6 +61,10 @@ EXPECTED = {
     "env/refused_navigations/mean": 0.0,
     "env/failed_attempts/server_error": 3.0,
     "env/invalid/server_error": 1.0,
+    # Every failed attempt came after the policy's first tool call (it observed, then typed or navigated).
+    "env/failed_after_action/server_error": 3.0,
+    "env/failed_after_action_rate": 3 / 5,
+    "env/failed_before_action_rate": 0.0,
 }
 
 
@@ -298,6 +302,9 @@ async def test_with_the_drop_switch_on_each_dropped_rollout_counts_once_at_the_s
     assert while_waiting["env/dropped_count"] == 0.0
     assert when_trained["env/dropped_count"] == 1.0 and when_trained["env/invalid/seed_failed"] == 1.0
     assert when_trained["env/failed_attempts/seed_failed"] == 2.0
+    # The dropped rollout's two seeds failed before the policy could act, of five attempts with the batch's two.
+    assert when_trained["env/failed_before_action_rate"] == pytest.approx(2 / 5)
+    assert when_trained["env/failed_after_action/seed_failed"] == 0.0
     assert server.open_sessions == 0
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
 

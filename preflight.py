@@ -366,7 +366,47 @@ def check_prompts(ctx: Context) -> str:
             f"{max(lengths)}); verl would cut their head (system prompt, tools): raise MAX_PROMPT_LENGTH"
         )
     longest = max(lengths)
+    junction = turn_junction_problem(tokenizer, builder, ctx.prompts[0], ctx.tool_schemas)
+    if junction:
+        raise CheckFailed(
+            f"{junction}: verl chose its token builder by model_type={model_type!r}; if the chat template is another "
+            "family's (a converted checkpoint), set nemo_gym_browser.token_builder_model_type to that family's "
+            "model_type (e.g. qwen2)"
+        )
     return f"chat template renders {len(names)} tool(s); {len(lengths)} prompts fit {limit} tokens (longest {longest})"
+
+
+def turn_junction_problem(tokenizer: Any, builder: Any, prompt: list[dict[str, Any]], tools: list[dict]) -> str:
+    """Empty when verl's token ``builder`` joins a model turn and the tool response after it as the chat template
+    renders them; else what differs.
+
+    The model's turn is taken as generated: its text, then the end-of-sequence token it stops at. What the template
+    puts after that token (Qwen's templates: a newline) must follow it in the builder's merge too, or every turn
+    after the first is a context the model never saw in training.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return ""
+    turn = {"role": "assistant", "content": "ok"}
+    response = {"role": "tool", "content": "page text"}
+    kwargs = {"tools": tools, "add_generation_prompt": True, "tokenize": True}
+    rendered = tokenizer.apply_chat_template([*prompt, turn, response], **kwargs)
+    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    generated = builder.build_initial_tokens(prompt, tools=tools)
+    generated = [*generated, *tokenizer.encode("ok", add_special_tokens=False), eos]
+    merged = builder.merge_context_tokens([*prompt, turn], [*prompt, turn, response], generated, tools=tools)
+    merged = list(merged.token_ids)
+    cut = len(generated) - 1  # the eos the model stopped at
+    if rendered[:cut] != merged[:cut] or eos not in rendered[cut:]:
+        return ""  # the template renders the turn itself otherwise (e.g. a thinking block): not this check's case
+    after = rendered.index(eos, cut) + 1
+    template_next, builder_next = rendered[after : after + 3], merged[cut + 1 : cut + 4]
+    if template_next == builder_next:
+        return ""
+    return (
+        f"after a model turn's {tokenizer.decode([eos])!r} the chat template has "
+        f"{tokenizer.decode(template_next)!r} but verl's token builder joins {tokenizer.decode(builder_next)!r}"
+    )
 
 
 def is_loopback_url(url: str) -> bool:

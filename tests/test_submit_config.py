@@ -222,6 +222,24 @@ def test_preflight_fails_when_a_prompt_would_be_cut_to_the_prompt_length(recipe_
     assert "6 of 6 prompts exceed rollout.prompt_length=64" in detail
 
 
+def test_preflight_fails_when_verls_token_builder_would_join_turns_unlike_the_chat_template(
+    recipe_inputs: Path, tmp_path: Path
+) -> None:
+    """A checkpoint whose model_type is not its chat template's family (here a Qwen template under "llama") gets
+    verl's generic token builder, which drops the template's newline after <|im_end|>; the setting names the family."""
+    config_file = recipe_inputs / "model" / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"model_type": "llama"}))
+    overrides = script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs))
+    results = {name: (ok, detail) for name, ok, detail in preflight.run_checks(compose_recipe(overrides))}
+    ok, detail = results["prompts"]
+    assert not ok
+    assert "the chat template has '\\n<|im_start|>user'" in detail
+    assert "nemo_gym_browser.token_builder_model_type" in detail
+    named = compose_recipe([*overrides, "+nemo_gym_browser.token_builder_model_type=qwen2"])
+    results = {name: (ok, detail) for name, ok, detail in preflight.run_checks(named)}
+    assert results["prompts"][0], results["prompts"][1]
+
+
 def test_preflight_rejects_an_unknown_agent_loop_setting_added_on_the_command_line(
     recipe_inputs: Path, tmp_path: Path
 ) -> None:

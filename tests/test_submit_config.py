@@ -20,18 +20,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from submit_fixtures import CONFIG_DIR, EXAMPLE, REPO, SCRIPT, compose_recipe, script_overrides
 
 from nemo_gym_browser import preflight
 from nemo_gym_browser.local.chat_tokenizer import save_tokenizer_and_config
 from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
-
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "submit_webvoyager.sh"
-EXAMPLE = REPO / "config.env.example"
-CONFIG_DIR = REPO / "configs"
 
 # With JUDGE_ENABLE=0 (the tests' default) every task needs verifier_metadata: the checks refuse rows without it.
 VERIFIED = {"verifier_metadata": {"url_contains": "example.org"}}
@@ -86,23 +81,6 @@ def write_config_env(path: Path, recipe_inputs: Path, **values: str) -> Path:
     lines += [f"{key}={value}" for key, value in settings.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def script_overrides(config_env: Path, *extra: str, env: dict[str, str] | None = None) -> list[str]:
-    result = subprocess.run(
-        ["bash", str(SCRIPT), "--config", str(config_env), "--print-overrides", *extra],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **(env or {})},
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.splitlines()
-
-
-def compose_recipe(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose("webvoyager_grpo", overrides=overrides)
 
 
 def test_the_shipped_example_config_composes_through_main_ppo_with_every_recipe_setting_in_place() -> None:
@@ -227,9 +205,10 @@ def test_preflight_fails_when_verls_token_builder_would_join_turns_unlike_the_ch
 ) -> None:
     """A checkpoint whose model_type is not its chat template's family (here a Qwen template under "llama") gets
     verl's generic token builder, which drops the template's newline after <|im_end|>; the setting names the family."""
-    config_file = recipe_inputs / "model" / "config.json"
+    model = shutil.copytree(recipe_inputs / "model", tmp_path / "model")  # the shared folder stays a Qwen2
+    config_file = model / "config.json"
     config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"model_type": "llama"}))
-    overrides = script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs))
+    overrides = script_overrides(write_config_env(tmp_path / "config.env", recipe_inputs, MODEL_PATH=str(model)))
     results = {name: (ok, detail) for name, ok, detail in preflight.run_checks(compose_recipe(overrides))}
     ok, detail = results["prompts"]
     assert not ok

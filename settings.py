@@ -9,7 +9,8 @@ What this module owns
       (e.g. ``+nemo_gym_browser.environment.server_urls=[...]``), parsed once per distinct configuration per process.
     * The drop switch (:func:`drop_invalid_enabled`): the ``drop_invalid`` setting, else
       ``NEMO_GYM_BROWSER_DROP_INVALID``.
-    * The configuration reference (``docs/configuration.md``), generated from the models:
+    * The configuration reference (``docs/configuration.md``), generated from the models and from
+      :data:`ENVIRONMENT_VARIABLES` (every ``NEMO_GYM_BROWSER_*`` variable read anywhere in the recipe):
       ``python -m nemo_gym_browser.settings --reference``.
 
 Errors

@@ -124,6 +124,10 @@ _VERL_LOOP_KWARGS = frozenset(
 _OBSERVATION_FLOOR_CHARS = 2048
 # A resample waits this long before its second attempt, doubling per further attempt, at most the cap.
 _BACKOFF_CAP_S = 30.0
+# A safety net above environment.call_timeout_s for a call the environment client failed to time out itself.
+CALL_TIMEOUT_GRACE_S = 5.0
+# A malformed <tool_call> becomes an error message the model reads instead of a silent end of the episode.
+LENIENT_TOOL_CALL_PARSING = True
 NO_JUDGE_REASON = (
     "the task has no verifier_metadata and no judge is configured (JUDGE_ENABLE=0 / judge: null), so nothing can "
     "score it; no episode was run"
@@ -220,7 +224,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 "characters); set max_tool_response_length in configs/agent_loop.yaml or on the command line",
                 self.max_tool_response_length,
             )
-        if self.settings.lenient_tool_call_parsing and self.tool_parser_name == "hermes":
+        if LENIENT_TOOL_CALL_PARSING and self.tool_parser_name == "hermes":
             self.tool_parser = LenientHermesToolParser(self.tokenizer)
         if not any(isinstance(tool, BrowserTool) for tool in self.tools.values()):
             raise ValueError(
@@ -408,7 +412,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                     guard=UrlGuard(self.settings.url_policy, start_url),
                     deadline_s=self.settings.episode_deadline_s,
                     hold_limit_s=self.settings.session_hold_limit_s,
-                    call_bound_s=self.settings.environment.call_timeout_s + self.settings.call_timeout_grace_s,
+                    call_bound_s=self.settings.environment.call_timeout_s + CALL_TIMEOUT_GRACE_S,
                     label=label,
                 )
                 token = _CURRENT_EPISODE.set(episode)

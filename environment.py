@@ -91,6 +91,8 @@ _CLOSE_TRIES = 3
 _CLOSE_BACKOFF_CAP_S = 2.0
 # A server's answer quoted in a failure reason: enough to act on, short enough for a log line.
 _DETAIL_CHARS = 300
+# Idle pooled connections are closed after this, below uvicorn's 30 s keep-alive: the client, not the server, closes.
+KEEPALIVE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ class EnvironmentClient:
     def _pool(self) -> aiohttp.TCPConnector:
         if self._connector is None or self._connector.closed:
             self._connector = aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=self.config.keepalive_timeout_s, enable_cleanup_closed=True
+                limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT_S, enable_cleanup_closed=True
             )
         return self._connector
 

@@ -29,7 +29,7 @@ Retries
 
 Cache (bounded)
     Usable verdicts are cached in an LRU keyed by the SHA-256 of the request body (model, sampling settings
-    and the rendered prompt). The bound is ``cache_size`` entries (default 4096; 0 disables it); an entry is
+    and the rendered prompt). The bound is ``VERDICT_CACHE_SIZE`` entries (4096); an entry is
     a 64-character key and a verdict whose reason is at most 300 characters, so the cache stays below a few
     MB. Unusable verdicts are never cached. Concurrent calls with the same key share one in-flight request.
 
@@ -87,6 +87,8 @@ _REASON_CAP = 300
 _NOT_RETRYABLE = frozenset({400, 401, 403, 404, 413, 422})
 # The error code a hosted endpoint gives a prompt its content filter refused (Azure OpenAI: HTTP 400).
 _PROMPT_FILTERED_CODE = "content_filter"
+# Usable verdicts kept per worker (LRU by count; 0 turns the cache off): an entry is a few hundred bytes.
+VERDICT_CACHE_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -416,9 +418,9 @@ class BinaryJudge:
             else:
                 self._count(unusable_verdicts=1)
                 logger.warning("judge[%s]: %s", label, verdict.reason)
-        if verdict.usable and self.config.cache_size:
+        if verdict.usable and VERDICT_CACHE_SIZE:
             self._cache[key] = verdict
-            while len(self._cache) > self.config.cache_size:
+            while len(self._cache) > VERDICT_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return verdict
 

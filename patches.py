@@ -57,6 +57,7 @@ from typing import Any
 from .wiring import (
     CORE_ALGOS,
     ESTIMATOR_NAME,
+    PATCHES_ENV,
     RAY_TRAINER,
     TARGETS,
     V1_TRAINER_BASE,
@@ -66,7 +67,6 @@ from .wiring import (
 
 logger = logging.getLogger(__name__)
 
-SWITCH_ENV = "NEMO_GYM_BROWSER_PATCHES"
 REQUIRED_VERL_FILE = "REQUIRED_VERL.txt"  # KEY=VALUE, next to this module; VERL_VERSION is what the patches target
 
 _ORIGINAL_ATTR = "__nemo_gym_browser_original__"
@@ -80,7 +80,7 @@ _logged: set[str] = set()
 
 def patches_enabled() -> bool:
     """False when ``NEMO_GYM_BROWSER_PATCHES`` switches the recipe's patching off."""
-    return os.environ.get(SWITCH_ENV, "1").strip().lower() not in _OFF_VALUES
+    return os.environ.get(PATCHES_ENV, "1").strip().lower() not in _OFF_VALUES
 
 
 def verl_version() -> str:
@@ -247,7 +247,7 @@ def _enabled_or_log() -> bool:
         return True
     if "disabled" not in _logged:
         _logged.add("disabled")
-        logger.info("nemo_gym_browser: patching disabled by %s=%s", SWITCH_ENV, os.environ.get(SWITCH_ENV))
+        logger.info("nemo_gym_browser: patching disabled by %s=%s", PATCHES_ENV, os.environ.get(PATCHES_ENV))
     return False
 
 
@@ -285,7 +285,7 @@ def required_verl_version() -> str:
 def _mismatch(detail: str) -> str:
     return (
         f"nemo_gym_browser cannot install its trainer wiring into verl {verl_version()}: {detail}. The patches were "
-        f"written for verl {required_verl_version()}; install that version or set {SWITCH_ENV}=0 to run without them."
+        f"written for verl {required_verl_version()}; install that version or set {PATCHES_ENV}=0 to run without them."
     )
 
 

@@ -9,7 +9,8 @@ What this module owns
       (e.g. ``+nemo_gym_browser.environment.server_urls=[...]``), parsed once per distinct configuration per process.
     * The drop switch (:func:`drop_invalid_enabled`): the ``drop_invalid`` setting, else
       ``NEMO_GYM_BROWSER_DROP_INVALID``.
-    * The configuration reference (``docs/configuration.md``), generated from the models:
+    * The configuration reference (``docs/configuration.md``), generated from the models and from
+      :data:`ENVIRONMENT_VARIABLES` (every ``NEMO_GYM_BROWSER_*`` variable read anywhere in the recipe):
       ``python -m nemo_gym_browser.settings --reference``.
 
 Errors
@@ -27,6 +28,7 @@ import os
 import sys
 import types
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin
 
@@ -35,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticUndefined
 
 from .url_safety import validate_allow_entry
+from .wiring import ADVANTAGE_LOG_ENV, PATCHES_ENV
 
 # The trainer-config section whose keys override the agent-loop YAML kwargs.
 TRAINER_CONFIG_SECTION = "nemo_gym_browser"
@@ -156,9 +159,6 @@ class EnvironmentConfig(Settings):
         2, description="Retries of an idempotent call after a transport error that came before any answer."
     )
     retry_backoff_s: float = Field(0.25, description="Wait before such a retry.")
-    keepalive_timeout_s: float = Field(
-        10.0, description="Idle pooled connections are closed after this (below uvicorn's 30 s keep-alive)."
-    )
     max_sessions_per_server: int = Field(
         64, ge=1, description="Concurrent browsers per server (each a Chromium process tree), across the whole run."
     )
@@ -264,7 +264,6 @@ class JudgeConfig(Settings):
         description="All evidence text in one prompt together; the page keeps its end.",
     )
     max_trajectory_steps: int = Field(8, ge=1, description="Last trajectory steps shown to the judge.")
-    cache_size: int = Field(4096, ge=0, description="Usable verdicts kept per worker (LRU by count); 0 disables.")
 
     @field_validator("base_url")
     @classmethod
@@ -343,9 +342,6 @@ class BrowserLoopSettings(Settings):
         description="Scores tasks without verifier_metadata: a mapping of judge settings or the path of a YAML file "
         "(configs/judge.yaml works from anywhere); null: no judge.",
     )
-    lenient_tool_call_parsing: bool = Field(
-        True, description="A malformed `<tool_call>` becomes an error message the model reads, not a silent stop."
-    )
     max_tool_response_length: int | None = Field(
         8192,
         description="Characters of a tool answer the model reads; overrides multi_turn.max_tool_response_length, "
@@ -353,9 +349,6 @@ class BrowserLoopSettings(Settings):
     )
     trajectory_dir: str | None = Field(
         None, description="A folder: one JSONL record per rollout (python -m nemo_gym_browser.trajectories); null: off."
-    )
-    call_timeout_grace_s: float = Field(
-        5.0, ge=0, description="Safety net above environment.call_timeout_s for a call the client failed to time out."
     )
     stepwise: StepwiseSettings = Field(default_factory=StepwiseSettings, description="Step-wise samples.")
 
@@ -428,6 +421,118 @@ def drop_invalid_enabled(setting: bool | None) -> bool:
     if setting is not None:
         return bool(setting)
     return os.environ.get(DROP_INVALID_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----- environment variables ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvironmentVariable:
+    """A variable the recipe, its scripts or its tests read from the process environment."""
+
+    name: str
+    read_by: str
+    meaning: str
+
+
+# Every NEMO_GYM_BROWSER_* variable anything in the recipe reads; a test compares this list with the code and scripts.
+RUN_SWITCHES = (
+    EnvironmentVariable(
+        DROP_INVALID_ENV,
+        "the agent loop, preflight",
+        "`1`: a rollout still invalid after its attempts is dropped from the batch (V1 trainer only); off by "
+        "default. The setting `drop_invalid` overrides it when not null.",
+    ),
+    EnvironmentVariable(
+        PATCHES_ENV,
+        "`patches.py`, `plugin.py`, `sitecustomize.py`",
+        "`0`: the trainer wiring is not installed in this process (the escape hatch a `PatchError` names); the "
+        "package stays importable.",
+    ),
+    EnvironmentVariable(
+        ADVANTAGE_LOG_ENV,
+        "the V1 trainer's advantage wrapper",
+        "A JSONL path: one line per advantage computation with every sample's group, flag, score and advantage "
+        "(read by `python -m nemo_gym_browser.trajectories --advantages`).",
+    ),
+)
+LOCAL_VARIABLES = (
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_CPU_BACKEND_FORCE",
+        "`local/cpu_backend/`",
+        "`1`: the CPU test backend starts on a host where CUDA is available (debugging the backend, never training).",
+    ),
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_URL", "the command after `launch_environment.py --`", "The environment server's URL."
+    ),
+    EnvironmentVariable("NEMO_GYM_BROWSER_VENV", "`scripts/setup.sh`", "Where the recipe's venv goes (`.venv`)."),
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_VLLM_VENV", "`scripts/setup_vllm.sh`", "Where the vLLM CPU venv goes (`.venv-vllm`)."
+    ),
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_RUN_ID",
+        "`submit_webvoyager.sh`",
+        "The run's name, its log folder under `LOG_DIR` (default `slurm<job id>-<date>-<pid>`); exported to the run.",
+    ),
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_PROCESS_MARK",
+        "`submit_webvoyager.sh`",
+        "Set by the script on every process of a run, so that its stop and leak checks find them; not for users.",
+    ),
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_STEP_MARK",
+        "`submit_webvoyager.sh`",
+        "Set by the script on each Slurm step's processes, so that the step stops what it started; not for users.",
+    ),
+)
+TEST_VARIABLES = (
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_REQUIRE_VLLM", "`tests/test_vllm_cpu.py`", "`1`: a missing `.venv-vllm` fails the tier."
+    ),
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_TEST_BACKEND",
+        "the integration tier",
+        "The real server's browser backend: `remote_cdp` (default) or `local_playwright`.",
+    ),
+    EnvironmentVariable("NEMO_GYM_BROWSER_GYM_VENV", "the integration tier", "Another nemo-gym venv (`.venv-gym`)."),
+    EnvironmentVariable(
+        "NEMO_GYM_BROWSER_TEST_POLICY_DIR",
+        "the integration tier",
+        "A folder that keeps the tiny policy between test sessions (built there once).",
+    ),
+)
+ENVIRONMENT_VARIABLES = (*RUN_SWITCHES, *LOCAL_VARIABLES, *TEST_VARIABLES)
+
+
+def _variables_table(title: str, intro: str, variables: tuple[EnvironmentVariable, ...]) -> list[str]:
+    lines = [
+        f"### {title}",
+        "",
+        *([intro, ""] if intro else []),
+        "| variable | read by | meaning |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{v.name}` | {v.read_by} | {v.meaning} |" for v in variables]
+    return [*lines, ""]
+
+
+def _environment_section() -> list[str]:
+    return [
+        "## Environment variables",
+        "",
+        "Every `NEMO_GYM_BROWSER_*` variable the recipe, its scripts or its tests read (a test compares this list "
+        "with the code). The Slurm job's own variables (`MODEL_PATH`, `JUDGE_*`, `ENV_*`, ...) are described in "
+        "`config.env.example`.",
+        "",
+        *_variables_table(
+            "Switches of a training run",
+            "Export them before `ray start` on every node (the submit script does for the drop switch): Ray workers "
+            "inherit the raylet's environment, not the shell's.",
+            RUN_SWITCHES,
+        ),
+        *_variables_table("Local runs and scripts", "", LOCAL_VARIABLES),
+        *_variables_table("Tests", "", TEST_VARIABLES),
+    ]
 
 
 # ----- the configuration reference ----------------------------------------------------------------------------
@@ -505,6 +610,7 @@ def configuration_reference() -> str:
     lines = [REFERENCE_HEADER]
     for model in (BrowserLoopSettings, EnvironmentConfig, UrlPolicy, StepwiseSettings, JudgeConfig):
         lines.extend(_section_table(model))
+    lines.extend(_environment_section())
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

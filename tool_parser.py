@@ -1,8 +1,8 @@
 """Reading the model's tool calls: verl's hermes parser, except that a malformed call is shown to the model.
 
 What this module owns
-    :class:`LenientHermesToolParser`, which the agent loop uses in place of verl's ``hermes`` parser when
-    ``lenient_tool_call_parsing`` is on (the default). Stateless; one instance per loop object.
+    :class:`LenientHermesToolParser`, which the agent loop uses in place of verl's ``hermes`` parser
+    (``browser_agent_loop.LENIENT_TOOL_CALL_PARSING``). Stateless; one instance per loop object.
 """
 
 from __future__ import annotations

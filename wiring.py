@@ -14,6 +14,8 @@ INVALID_FRACTION_METRIC = "grpo_env_aware/invalid_fraction"
 # A JSONL path: when set, the V1 trainer appends one line per advantage computation with every sample's group, flag,
 # score and advantage, so what the estimator did inside a real run can be checked (and read) sample by sample.
 ADVANTAGE_LOG_ENV = "NEMO_GYM_BROWSER_ADVANTAGE_LOG"
+# "0" (or false, no, off) turns the whole trainer wiring off in every process: the escape hatch a PatchError names.
+PATCHES_ENV = "NEMO_GYM_BROWSER_PATCHES"
 PADDING_TAG = "is_padding"  # V1: tag of the synthetic samples verl appends to make the batch divisible
 
 # The verl modules the wiring patches, in verl's own import order.
@@ -36,6 +38,7 @@ __all__ = [
     "FLAG_KEY",
     "INVALID_FRACTION_METRIC",
     "PADDING_TAG",
+    "PATCHES_ENV",
     "RAY_TRAINER",
     "TARGETS",
     "V1_TRAINER_BASE",

@@ -31,7 +31,9 @@ import re
 import time
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
+from .. import judge as judge_module
 from ..browser_agent_loop import close_shared_clients
 from ..judge import BinaryJudge, JudgeConfig
 from ..local import scripted_policy as sp
@@ -85,7 +87,6 @@ class ChaosRun:
             "timeout_s": settings.judge_timeout_s,
             "max_attempts": settings.judge_max_attempts,
             "backoff_s": 0.05,
-            "cache_size": 0,
         }
         self.judge_config = JudgeConfig.from_mapping(judge_settings)
         entry = agent_loop_entry(
@@ -283,6 +284,23 @@ async def run_chaos(
     deadline to the mix. ``phase_rollouts`` 0 skips the two server-wide phases.
     """
     started = time.monotonic()
+    # No verdict cache: every judged rollout asks the judge, so a judge fault reaches each rollout it targets.
+    with mock.patch.object(judge_module, "VERDICT_CACHE_SIZE", 0):
+        return await _run_phases(
+            backend, settings, target, started, targeted_rollouts, phase_rollouts, edge_cases, causes
+        )
+
+
+async def _run_phases(
+    backend: Backend,
+    settings: ChaosSettings,
+    target: str,
+    started: float,
+    targeted_rollouts: int,
+    phase_rollouts: int,
+    edge_cases: bool,
+    causes: Sequence[Cause] | None,
+) -> ChaosReport:
     async with fj.FakeJudgeServer(model=JUDGE_MODEL) as judge:
         run = ChaosRun(backend, settings, judge=judge)
         watcher = asyncio.create_task(run.watch_loop_lag())

@@ -14,6 +14,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.tool_parser import HermesToolParser
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
+from nemo_gym_browser import browser_agent_loop
 from nemo_gym_browser.browser_agent_loop import BrowserToolAgentLoop, running_under_v1_trainer
 from nemo_gym_browser.browser_calls import parse_tool_call
 from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema
@@ -114,7 +115,7 @@ def test_the_trainer_config_section_overrides_the_yaml_settings_key_by_key(token
     assert settings.episode_deadline_s == 42
     assert settings.environment.call_timeout_s == 7
     assert settings.environment.server_urls == ("http://127.0.0.1:2", "http://127.0.0.1:3")
-    assert settings.environment.seed_timeout_s == 120  # from configs/agent_loop.yaml, untouched
+    assert settings.environment.seed_timeout_s == 120  # the model's default, untouched
     assert settings.max_attempts == 3 and settings.url_policy.allowlist == ("*.corp.example",)
 
 
@@ -245,9 +246,10 @@ async def test_the_lenient_parser_keeps_malformed_calls_so_verl_can_answer_them(
     assert upstream_calls[0] == calls[0]
 
 
-def test_the_loop_swaps_in_the_lenient_parser_only_for_hermes_and_when_enabled(tokenizer, tools):
+def test_the_loop_swaps_in_the_lenient_parser_only_for_hermes_and_when_enabled(tokenizer, tools, monkeypatch):
     assert isinstance(make_loop(tokenizer, tools).tool_parser, LenientHermesToolParser)
-    strict = make_loop(tokenizer, tools, lenient_tool_call_parsing=False).tool_parser
+    monkeypatch.setattr(browser_agent_loop, "LENIENT_TOOL_CALL_PARSING", False)
+    strict = make_loop(tokenizer, tools).tool_parser
     assert type(strict) is HermesToolParser
 
 

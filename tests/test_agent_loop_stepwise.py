@@ -15,7 +15,7 @@ from nemo_gym_browser.episode_metrics import episode_metrics
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, make_row
-from nemo_gym_browser.settings import BrowserLoopSettings
+from nemo_gym_browser.settings import BrowserLoopSettings, resolve_settings
 from nemo_gym_browser.stepwise import LEGACY_STEPWISE_MESSAGE, STEP_HISTORY_HEADER
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.testing import stepwise_policy as swp
@@ -208,11 +208,9 @@ def test_stepwise_settings_are_read_from_the_loop_config_and_checked():
     with pytest.raises(ValueError, match="history_observations"):
         BrowserLoopSettings.from_mapping({**base, "stepwise": {"history_observations": 0}})
     yaml_entry = OmegaConf.load(compose_trainer_config().actor_rollout_ref.rollout.agent.agent_loop_config_path)[0]
-    assert OmegaConf.to_container(yaml_entry.stepwise) == {
-        "enabled": False,
-        "history_observations": 1,
-        "history_steps": 10,
-    }
+    shipped = {key: value for key, value in yaml_entry.items() if key not in ("name", "_target_")}
+    stepwise = resolve_settings({**shipped, **base}).stepwise
+    assert (stepwise.enabled, stepwise.history_observations, stepwise.history_steps) == (False, 1, 10)
 
 
 async def test_episode_metrics_count_episodes_not_step_samples(run, server):

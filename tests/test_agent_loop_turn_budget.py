@@ -135,9 +135,14 @@ def test_the_agent_loop_keeps_observations_as_long_as_the_budget_assumes(recipe_
     from omegaconf import OmegaConf
 
     from nemo_gym_browser.local.in_process_loop import AGENT_LOOP_YAML
+    from nemo_gym_browser.settings import resolve_settings
 
     (entry,) = OmegaConf.load(AGENT_LOOP_YAML)
-    assert entry.max_tool_response_length == recipe_config.actor_rollout_ref.rollout.multi_turn.max_tool_response_length
+    shipped = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
+    settings = resolve_settings({**shipped, "environment": {"server_urls": ["http://127.0.0.1:1"]}})
+    assert (
+        settings.max_tool_response_length == recipe_config.actor_rollout_ref.rollout.multi_turn.max_tool_response_length
+    )
 
 
 def test_a_whole_episode_fits_the_token_budgets_of_the_actor_and_the_log_prob_passes(recipe_config):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from judge_fixtures import FAST, MakeJudge
 
+from nemo_gym_browser import judge as judge_module
 from nemo_gym_browser.judge import (
     FAILURE_TOKEN,
     SUCCESS_TOKEN,
@@ -327,10 +328,11 @@ async def test_unusable_verdicts_are_not_cached(fake: FakeJudgeServer, make_judg
     assert len(fake.chat_requests) == 2
 
 
-async def test_the_cache_keeps_at_most_cache_size_entries_evicting_the_least_recently_used(
-    fake: FakeJudgeServer, make_judge: MakeJudge
+async def test_the_cache_keeps_at_most_its_size_in_entries_evicting_the_least_recently_used(
+    fake: FakeJudgeServer, make_judge: MakeJudge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    judge = make_judge(cache_size=2)
+    monkeypatch.setattr(judge_module, "VERDICT_CACHE_SIZE", 2)
+    judge = make_judge()
     a, b, c = (evidence(final_answer=name) for name in "abc")
     for item in (a, b, a, c, a):  # a, b miss; a hit; c misses and evicts b; a hit
         await judge.judge(item)
@@ -339,8 +341,11 @@ async def test_the_cache_keeps_at_most_cache_size_entries_evicting_the_least_rec
     assert len(fake.chat_requests) == 4
 
 
-async def test_cache_size_zero_turns_the_cache_off(fake: FakeJudgeServer, make_judge: MakeJudge) -> None:
-    judge = make_judge(cache_size=0)
+async def test_a_cache_size_of_zero_turns_the_cache_off(
+    fake: FakeJudgeServer, make_judge: MakeJudge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(judge_module, "VERDICT_CACHE_SIZE", 0)
+    judge = make_judge()
     await judge.judge(evidence())
     await judge.judge(evidence())
     assert len(fake.chat_requests) == 2
@@ -496,9 +501,10 @@ def test_one_shared_judge_per_config() -> None:
 
 
 async def test_close_is_idempotent_and_a_closed_judge_reopens_on_use(
-    fake: FakeJudgeServer, make_judge: MakeJudge
+    fake: FakeJudgeServer, make_judge: MakeJudge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    judge = make_judge(cache_size=0)
+    monkeypatch.setattr(judge_module, "VERDICT_CACHE_SIZE", 0)
+    judge = make_judge()
     assert (await judge.judge(evidence())).usable
     await judge.close()
     await judge.close()

@@ -207,7 +207,7 @@ def stock_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("stock")
     cases = stock_cases()
     torch.save(cases, folder / "cases.pt")
-    env = {**os.environ, patches.SWITCH_ENV: "0"}
+    env = {**os.environ, wiring.PATCHES_ENV: "0"}
     completed = subprocess.run(
         [sys.executable, "-c", STOCK_SCRIPT, str(folder / "cases.pt"), str(folder / "results.pt")],
         env=env,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,17 @@ def test_every_value_in_the_agent_loop_yaml_is_the_models_default():
     values = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
 
     assert disagreements(BrowserLoopSettings, values, "agent_loop.yaml") == []
-    assert "call_timeout_s" in values["environment"]  # the check does reach the nested sections
+    assert "enabled" in values["stepwise"]  # the check does reach the nested sections
+
+
+@pytest.mark.parametrize("name", ["agent_loop.yaml", "judge.yaml", "webvoyager_grpo.yaml"])
+def test_the_yaml_files_set_values_without_a_second_copy_of_their_descriptions(name):
+    text = (RECIPE / "configs" / name).read_text()
+    if name == "webvoyager_grpo.yaml":
+        text = text[text.index("\nnemo_gym_browser:") :]  # the recipe's own section; verl's keys are not ours
+    described = [line for line in text.splitlines() if re.match(r"\s*[\w.]+:[^#]*#", line)]
+
+    assert described == [], "describe a setting in settings.py (docs/configuration.md is generated from it)"
 
 
 def test_every_value_in_the_trainer_configs_section_is_the_models_default():
@@ -127,3 +138,32 @@ def test_several_wrong_keys_are_reported_together_each_by_its_path():
     message = str(raised.value)
     assert "nemo_gym_browser.environment.call_timeout_s: Input should be greater than 0 (got 0)" in message
     assert "nemo_gym_browser.stepwise.history_steps: Input should be greater than or equal to 0 (got -1)" in message
+
+
+VARIABLE = re.compile(r"\bNEMO_GYM_BROWSER_[A-Z][A-Z0-9_]*[A-Z0-9]\b")
+NOT_SOURCE = {"docs", "build", "bench"}
+
+
+def variables_read_anywhere() -> dict[str, str]:
+    """Every ``NEMO_GYM_BROWSER_*`` name in the recipe's code, scripts and tests -> one file naming it."""
+    found: dict[str, str] = {}
+    paths = [*RECIPE.rglob("*.py"), *RECIPE.rglob("*.sh"), RECIPE / "config.env.example", RECIPE / ".ci" / "run"]
+    for path in paths:
+        parts = path.relative_to(RECIPE).parts
+        if parts[0].startswith(".venv") or parts[0] in NOT_SOURCE or parts[0].endswith(".egg-info"):
+            continue
+        if path.is_file():
+            for name in VARIABLE.findall(path.read_text(encoding="utf-8")):
+                found.setdefault(name, str(path.relative_to(RECIPE)))
+    return found
+
+
+def test_every_environment_variable_the_code_reads_is_in_the_reference_and_no_other():
+    read = variables_read_anywhere()
+    listed = {variable.name for variable in st.ENVIRONMENT_VARIABLES}
+    text = st.configuration_reference()
+
+    assert {name: where for name, where in read.items() if name not in listed} == {}
+    assert sorted(listed - set(read)) == []
+    assert all(f"| `{name}` |" in text for name in listed)
+    assert len(read) >= 12 and "NEMO_GYM_BROWSER_PATCHES" in read  # the scan does reach the code

@@ -202,7 +202,7 @@ def test_a_shorter_call_timeout_reaches_the_loops_settings_and_none_keeps_the_re
         return resolve_settings(loop_kwargs, composed(run)).environment.call_timeout_s
 
     assert call_timeout(spec(tmp_path, call_timeout_s=15.0)) == 15.0
-    assert call_timeout(spec(tmp_path)) == 120.0  # configs/agent_loop.yaml's
+    assert call_timeout(spec(tmp_path)) == 120.0  # the setting's default
     with pytest.raises(ValueError):
         spec(tmp_path, call_timeout_s=0)
 

@@ -1,0 +1,627 @@
+"""Every figure the README and ``docs/`` quote from a benchmark is the one the benchmark's JSON holds.
+
+Each quoted figure is tied here to the JSON that holds it: a :class:`Quote` is a page, the text as it stands there
+with ``{name}`` fields, the ``bench/*.json`` file, and for each field a :class:`Value` (a key path into the JSON, or a
+small formula over key paths, and its format). The test renders each quote from the JSON and looks for it on its
+page, so it fails when a figure on the page changes (the quote is no longer there) and when the JSON changes (the
+rendered quote differs). A table is a quote per row.
+
+Key paths: ``figures.points[3].correct[0]``; ``runs[arm=recipe,rate=0.85]`` keeps the list items whose fields match
+(several may, then the value names how to reduce them: ``mean``, ``min``, ``max``, ``sum``); ``*`` is every value of a
+mapping or list; ``bench/other.json:runs[0].minutes`` reads another benchmark's JSON.
+
+Figures from ``bench/learning_curve_vllm.json`` are not tied here yet: that benchmark is being run again (see
+``VLLM_LEARNING_QUOTES`` below).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REDUCERS: dict[str, Callable[[list[float]], float]] = {
+    "mean": statistics.fmean,
+    "min": min,
+    "max": max,
+    "sum": sum,
+}
+
+
+def lookup(data: Any, path: str) -> list[Any]:
+    """Every value at ``path`` (see the module docstring); raises ``KeyError`` naming the step that found nothing."""
+    found = [data]
+    for step in re.findall(r"[^.\[\]]+|\[[^\]]*\]", path):
+        following = []
+        for item in found:
+            if step in ("*", "[*]"):
+                following += list(item.values()) if isinstance(item, dict) else list(item)
+            elif step.startswith("[") and "=" in step:
+                wanted = dict(part.split("=", 1) for part in step[1:-1].split(","))
+                following += [entry for entry in item if all(_same(entry.get(k), v) for k, v in wanted.items())]
+            elif step.startswith("["):
+                following.append(item[int(step[1:-1])])
+            else:
+                following.append(item[step])
+        if not following:
+            raise KeyError(f"{path}: nothing at {step}")
+        found = following
+    return found
+
+
+def _same(value: Any, text: str) -> bool:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(text) == value
+    return str(value) == text
+
+
+@dataclass(frozen=True)
+class Value:
+    """One figure: the value at ``path`` (reduced by ``reduce`` when the path finds several), or ``formula`` of the
+    values at several paths; times ``scale``, formatted by ``fmt``; ``pattern``'s first group of a text value."""
+
+    path: str | tuple[str, ...]
+    fmt: str = "{}"
+    reduce: str | None = None
+    scale: float = 1.0
+    formula: Callable[..., float] | None = None
+    pattern: str | None = None
+
+    def render(self, data: Any) -> str:
+        paths = (self.path,) if isinstance(self.path, str) else self.path
+        numbers = [self._one(data, path) for path in paths]
+        number = self.formula(*numbers) if self.formula else numbers[0]
+        if self.scale != 1.0:
+            number = number * self.scale
+        return self.fmt.format(number)
+
+    def _one(self, data: Any, path: str) -> Any:
+        if ".json:" in path:  # a value of another benchmark's JSON, for a figure that compares two runs
+            source, path = path.split(":", 1)
+            data = json.loads((ROOT / source).read_text(encoding="utf-8"))
+        values = lookup(data, path)
+        if self.pattern is not None:
+            values = [re.search(self.pattern, str(value)).group(1) for value in values]
+            return values[0] if len(values) == 1 else values
+        if self.reduce is None:
+            assert len(values) == 1, f"{path}: {len(values)} values and no reduce"
+            return values[0]
+        return REDUCERS[self.reduce]([value for value in values if value is not None])
+
+
+@dataclass(frozen=True)
+class Quote:
+    page: str
+    text: str
+    source: str
+    values: dict[str, Value] = field(default_factory=dict)
+
+    def render(self) -> str:
+        data = json.loads((ROOT / self.source).read_text(encoding="utf-8"))
+        return self.text.format(**{name: value.render(data) for name, value in self.values.items()})
+
+
+def V(path: str | tuple[str, ...], fmt: str = "{}", **options: Any) -> Value:
+    return Value(path, fmt, **options)
+
+
+QUOTES: list[Quote] = []
+
+
+def quote(page: str, source: str, text: str, **values: Value) -> None:
+    QUOTES.append(Quote(page, text, source, values))
+
+
+# ----- the bias table (README) ---------------------------------------------------------------------------------------
+
+BIAS = "bench/baseline_bias.json"
+for label, shown in (("0%", "0 %"), ("30%", "30 %"), ("60%", "60 %"), ("90%", "90 %"), ("mission", "{rate} %")):
+    point = f"figures.points[label={label}]"
+    quote(
+        "README.md",
+        BIAS,
+        f"| {shown}{' (the run above)' if label == 'mission' else ''} "
+        "| {i0} / {i1} / {i2} | {c0} / {c1} / {c2} |",
+        rate=V(f"{point}.failure_rate", "{:.1f}", scale=100),
+        **{f"i{k}": V(f"{point}.incorrect[{k}]", "{:+.3f}") for k in range(3)},
+        **{f"c{k}": V(f"{point}.correct[{k}]", "{:+.3f}") for k in range(3)},
+    )
+MISSION = "figures.points[label=mission]"
+quote(
+    "docs/benchmarks.md",
+    BIAS,
+    "a correct survivor gets {due}x its due at the\nmission's failure rate, a wrong one is pushed down {less}x less",
+    due=V((f"{MISSION}.correct[0]", f"{MISSION}.correct[2]"), "{:.1f}", formula=lambda stock, best: stock / best),
+    less=V((f"{MISSION}.incorrect[2]", f"{MISSION}.incorrect[0]"), "{:.1f}", formula=lambda best, stock: best / stock),
+)
+
+# ----- the learning curve (README, docs/learning-results.md) ----------------------------------------------------------
+
+CURVE = "bench/learning_curve.json"
+
+
+def curve(arm: str, rate: float, step: int, key: str, reduce: str, fmt: str = "{:.2f}", scale: float = 1.0) -> Value:
+    return V(f"runs[arm={arm},rate={rate}].evaluated.{step}.{key}", fmt, reduce=reduce, scale=scale)
+
+
+quote(
+    "README.md",
+    CURVE,
+    "the recipe takes held-back success from {start} to {end} in 8 steps in each of 3 seeds,\n"
+    "while stock GRPO, trained on every failed look as a zero, teaches the policy to stop looking (browsing {b0} % → "
+    "{b8} %) and\nends at {stock}, what guessing gives",
+    start=curve("recipe", 0.85, 0, "heldback_success", "mean"),
+    end=curve("recipe", 0.85, 8, "heldback_success", "mean"),
+    b0=curve("stock", 0.85, 0, "heldback_browsed", "mean", "{:.0f}", 100),
+    b8=curve("stock", 0.85, 8, "heldback_browsed", "mean", "{:.0f}", 100),
+    stock=curve("stock", 0.85, 8, "heldback_success", "mean"),
+)
+for rate, shown in ((0.0, "0%"), (0.85, "85%")):
+    for arm in ("recipe", "stock") if rate else ("recipe",):
+        for step in (0, 2, 4, 6, 8):
+            cells = {}
+            for column, key in (("h", "heldback_success"), ("t", "train_success"), ("b", "heldback_browsed")):
+                for reduce in ("mean", "min", "max"):
+                    cells[f"{column}_{reduce}"] = curve(arm, rate, step, key, reduce)
+            quote(
+                "docs/learning-results.md",
+                CURVE,
+                f"| {shown} | {arm} (3 seeds) | {step} "
+                "| {h_mean} ({h_min}–{h_max}) | {t_mean} ({t_min}–{t_max}) | {b_mean} ({b_min}–{b_max}) |",
+                **cells,
+            )
+for arm, rate, seed in [
+    ("recipe", 0.0, 0),
+    ("recipe", 0.0, 1),
+    ("recipe", 0.0, 2),
+    ("recipe", 0.85, 0),
+    ("stock", 0.85, 0),
+    ("recipe", 0.85, 1),
+    ("stock", 0.85, 1),
+    ("recipe", 0.85, 2),
+    ("stock", 0.85, 2),
+]:
+    run = f"runs[arm={arm},rate={rate},seed={seed}]"
+    flags = "| {invalid} | {resampled} |" if arm == "recipe" else "| - | - |"
+    quote(
+        "docs/learning-results.md",
+        CURVE,
+        f"| {rate:.0%} {arm} seed {seed} | {{minutes}} | {{step_s}} | {{gen_s}} | {{peak}} {flags} {{faults}} |",
+        minutes=V(f"{run}.minutes", "{:.1f}"),
+        step_s=V(f"{run}.training.*.step_s", "{:.2f}", reduce="mean"),
+        gen_s=V(f"{run}.training.*.gen_s", "{:.2f}", reduce="mean"),
+        peak=V(f"{run}.peak_memory_gib", "{:.1f}"),
+        **(
+            {
+                "invalid": V(f"{run}.training.*.invalid_rate", "{:.2f}", reduce="mean"),
+                "resampled": V(f"{run}.training.*.resampled_rate", "{:.2f}", reduce="mean"),
+            }
+            if arm == "recipe"
+            else {}
+        ),
+        faults=V(f"{run}.faults_injected.*", "{:.0f}", reduce="sum") if rate else V(f"{run}.faults_injected", "0"),
+    )
+
+
+def _per_run(arm: str, key: str, reduce: str, fmt: str, scale: float = 1.0) -> Value:
+    """``reduce`` over the 85 % runs of ``arm`` of each run's mean ``training.<step>.<key>``."""
+    paths = tuple(f"runs[arm={arm},rate=0.85,seed={seed}].training.*.{key}" for seed in range(3))
+    return V(
+        paths,
+        fmt,
+        reduce="mean",
+        scale=scale,
+        formula=lambda *means: REDUCERS[reduce](list(means)),
+    )
+
+
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "{runs} runs, {minutes} min in all",
+    runs=V("runs", "{}", formula=len),
+    minutes=V("runs[*].minutes", "{:.0f}", reduce="sum"),
+)
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "{low}–{high}\nmin and {peak_low}–{peak_high} GiB peak",
+    low=V("runs[*].minutes", "{:.1f}", reduce="min"),
+    high=V("runs[*].minutes", "{:.1f}", reduce="max"),
+    peak_low=V("runs[*].peak_memory_gib", "{:.1f}", reduce="min"),
+    peak_high=V("runs[*].peak_memory_gib", "{:.1f}", reduce="max"),
+)
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "held-back success goes from {start} to {end} in 8 steps in every seed",
+    start=V("runs[arm=recipe].evaluated.0.heldback_success", "{:.2f}", reduce="max"),
+    end=V("runs[arm=recipe].evaluated.8.heldback_success", "{:.2f}", reduce="min"),
+)
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "(browsing {b0} % → {low}–{high} %)",
+    b0=curve("recipe", 0.0, 0, "heldback_browsed", "mean", "{:.0f}", 100),
+    low=V("runs[arm=recipe].evaluated.8.heldback_browsed", "{:.0f}", reduce="min", scale=100),
+    high=V("runs[arm=recipe].evaluated.8.heldback_browsed", "{:.0f}", reduce="max", scale=100),
+)
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "(browsing {b0} % → {low}–{high} % by step 8 in all three seeds) and held-back success falls to what guessing "
+    "gives\n({end}; {s4}–{s6} at steps 4–6)",
+    b0=curve("stock", 0.85, 0, "heldback_browsed", "mean", "{:.0f}", 100),
+    low=curve("stock", 0.85, 8, "heldback_browsed", "min", "{:.0f}", 100),
+    high=curve("stock", 0.85, 8, "heldback_browsed", "max", "{:.0f}", 100),
+    end=curve("stock", 0.85, 8, "heldback_success", "mean"),
+    s4=curve("stock", 0.85, 4, "heldback_success", "mean"),
+    s6=curve("stock", 0.85, 6, "heldback_success", "mean"),
+)
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "The recipe re-ran {r_low}–{r_high} % of its rollouts and kept the {i_low}–{i_high} % that still failed\n"
+    "out of the loss and the baseline; that is what its extra generation time per step ({g_low}–{g_high} s against "
+    "{s_low}–{s_high} s) pays for.",
+    r_low=_per_run("recipe", "resampled_rate", "min", "{:.0f}", 100),
+    r_high=_per_run("recipe", "resampled_rate", "max", "{:.0f}", 100),
+    i_low=_per_run("recipe", "invalid_rate", "min", "{:.0f}", 100),
+    i_high=_per_run("recipe", "invalid_rate", "max", "{:.0f}", 100),
+    g_low=_per_run("recipe", "gen_s", "min", "{:.0f}"),
+    g_high=_per_run("recipe", "gen_s", "max", "{:.0f}"),
+    s_low=_per_run("stock", "gen_s", "min", "{:.0f}"),
+    s_high=_per_run("stock", "gen_s", "max", "{:.0f}"),
+)
+quote(
+    "docs/learning-results.md",
+    "bench/learning_curve_beside_hog.json",
+    "the 85 % recipe run of seed 0 took {minutes} min beside a\nprocess spinning one core",
+    minutes=V("runs[0].minutes", "{:.1f}"),
+)
+quote(
+    "docs/learning-results.md",
+    "bench/learning_curve_without_hog.json",
+    "and {minutes} min without it, minutes apart on the same machine",
+    minutes=V("runs[0].minutes", "{:.1f}"),
+)
+quote(
+    "docs/learning-results.md",
+    "bench/learning_curve_beside_hog.json",
+    "({slower} %; held-back success {start} →\n{end} in both;",
+    slower=V(
+        ("runs[0].minutes", "bench/learning_curve_without_hog.json:runs[0].minutes"),
+        "{:+.0f}",
+        formula=lambda beside, alone: (beside / alone - 1) * 100,
+    ),
+    start=V("runs[0].evaluated.0.heldback_success", "{:.2f}"),
+    end=V("runs[0].evaluated.8.heldback_success", "{:.2f}"),
+)
+quote(
+    "docs/learning-results.md",
+    "bench/learning_curve_without_hog.json",
+    "held-back success {start} →\n{end} in both;",
+    start=V("runs[0].evaluated.0.heldback_success", "{:.2f}"),
+    end=V("runs[0].evaluated.8.heldback_success", "{:.2f}"),
+)
+
+# bench/learning_curve_vllm.json: its benchmark is being run again; tie the figures of docs/learning-results.md's
+# "On verl's vLLM rollout" section here once the new JSON is in (e.g. held-back success at steps 0 and 8 per arm,
+# browsing, minutes, step times and peak memory), as the hfcpu quotes above do.
+VLLM_LEARNING_QUOTES: list[Quote] = []
+QUOTES += VLLM_LEARNING_QUOTES
+
+# ----- benchmarks (docs/benchmarks.md) ----------------------------------------------------------------------------
+
+BENCH = "docs/benchmarks.md"
+
+SPEED = "bench/grpo_speed.json"
+for index, (samples, group, stock_fmt, stock_scale, ours_fmt) in enumerate(
+    [
+        ("4,096", 8, "{:.0f} ms", 1000, "{:.1f}"),
+        ("4,096", 16, "{:.0f} ms", 1000, "{:.1f}"),
+        ("65,536", 8, "{:.0f} ms", 1000, "{:.1f}"),
+        ("65,536", 16, "{:.0f} ms", 1000, "{:.1f}"),
+        ("1,048,576", 8, "{:.1f} s", 1, "{:.0f}"),
+        ("1,048,576", 16, "{:.1f} s", 1, "{:.0f}"),
+    ]
+):
+    row = f"figures.rows[{index}]"
+    quote(
+        BENCH,
+        SPEED,
+        f"| {samples} | {group} | {{stock}} | {{ours}} ms | {{flagged}} ms | {{speed_up}}x |",
+        stock=V(f"{row}.stock_s", stock_fmt, scale=stock_scale),
+        ours=V(f"{row}.ours_s", ours_fmt, scale=1000),
+        flagged=V(f"{row}.ours_flagged_s", ours_fmt, scale=1000),
+        speed_up=V(f"figures.speed_ups[{index}].speed_up", "{:.0f}"),
+    )
+
+OVERHEAD = "bench/rollout_overhead.json"
+for index, episodes, fmt in [(0, 1, "{:.1f}"), (1, 64, "{:.0f}"), (2, 256, "{:.0f}")]:
+    row = f"figures.results[{index}]"
+    quote(
+        BENCH,
+        OVERHEAD,
+        f"| {episodes} | {{raw}} ms | {{verl}} / {{recipe}} ms | {{share}} % | {{per_s}} "
+        "| {cpu_verl} / {cpu_recipe} ms | {heap} KiB |",
+        raw=V(f"{row}.raw_call_ms", "{:.1f}"),
+        verl=V(f"{row}.added_ms_per_step.verl", fmt),
+        recipe=V(f"{row}.added_ms_per_step.recipe", fmt),
+        share=V(f"{row}.share", fmt, scale=100),
+        per_s=V(f"{row}.episodes_per_s.recipe", "{:.1f}"),
+        cpu_verl=V(f"{row}.cpu_ms_per_step.verl", "{:.2f}"),
+        cpu_recipe=V(f"{row}.cpu_ms_per_step.recipe", "{:.2f}"),
+        heap=V(f"{row}.traced_kib_per_episode", "{:.0f}"),
+    )
+
+PLACEMENT = "bench/placement_overhead.json"
+for key, label, process_fmt in [
+    ("lease", "lease alone (acquire + release, no HTTP)", "{:.3f}"),
+    ("seq", "one session at a time", "{:.2f}"),
+    ("conc", "64 sessions at once", "{:.2f}"),
+]:
+    cell = f"figures.median_ms_per_session.{key}"
+    quote(
+        BENCH,
+        PLACEMENT,
+        f"| {label} | {{process}} | {{ray}} | {{added}} |",
+        process=V(f"{cell}.process_ms", process_fmt),
+        ray=V(f"{cell}.ray_ms", "{:.2f}"),
+        added=V(f"{cell}.added_ms", "{:+.2f}"),
+    )
+
+SHARE = "bench/placement_share.json"
+quote(
+    BENCH,
+    SHARE,
+    "A static share (2 slots per worker, decided\nlocally) finished in {static_s} s with the servers {static_busy} % "
+    "busy; the run-wide Ray actor in {actor_s} s, {actor_busy} % busy ({ratio}x;",
+    static_s=V("runs[design=static,killed=False].wall_s", "{:.1f}"),
+    static_busy=V("runs[design=static,killed=False].utilisation", "{:.0f}", scale=100),
+    actor_s=V("runs[design=authority,killed=False].wall_s", "{:.1f}"),
+    actor_busy=V("runs[design=authority,killed=False].utilisation", "{:.0f}", scale=100),
+    ratio=V("static_over_authority.wall_time", "{:.1f}"),
+)
+quote(
+    BENCH,
+    SHARE,
+    "the actor closed it {freed} s after the kill (`lease_ttl_s={ttl}`)",
+    freed=V("runs[design=authority,killed=True].freed_after_kill_s", "{:.1f}"),
+    ttl=V("settings.lease_ttl", "{:.0f}"),
+)
+
+DECODE = "bench/decode_throughput.json"
+for index, shape in enumerate(["tiny policy"] * 3 + ["4 layers, 256 wide"] * 3):
+    row = f"rows[{index}]"
+    quote(
+        BENCH,
+        DECODE,
+        f"| {shape} | {{parameters}} | {{at_once}} | {{serial}} | {{batched}} | {{ratio}} | {{same}}/{{at_once}} |",
+        parameters=V(f"{row}.parameters", "{:,}"),
+        at_once=V(f"{row}.concurrency"),
+        serial=V(f"{row}.serial_tokens_per_s", "{:,.0f}"),
+        batched=V(f"{row}.batched_tokens_per_s", "{:,.0f}"),
+        ratio=V(f"{row}.ratio", "{:.2f}"),
+        same=V(f"{row}.same"),
+    )
+
+ENGINES = "bench/engines.json"
+for index in range(3):
+    level = f"figures.levels[{index}]"
+    quote(
+        BENCH,
+        ENGINES,
+        "| {at_once} | {vllm_s} | {hfcpu_s} | {vllm_tok} | {hfcpu_tok} | {ratio}x | {vllm_cores} / {hfcpu_cores} |",
+        at_once=V(f"{level}.concurrency"),
+        vllm_s=V(f"{level}.vllm_seconds", "{:.2f}"),
+        hfcpu_s=V(f"{level}.hfcpu_seconds", "{:.2f}"),
+        vllm_tok=V(f"{level}.vllm_tokens_per_s", "{:,.0f}"),
+        hfcpu_tok=V(f"{level}.hfcpu_tokens_per_s", "{:,.0f}"),
+        ratio=V(f"{level}.ratio", "{:.2f}"),
+        vllm_cores=V(f"{level}.vllm_cores", "{:.2f}"),
+        hfcpu_cores=V(f"{level}.hfcpu_cores", "{:.2f}"),
+    )
+quote(
+    BENCH,
+    ENGINES,
+    "(about 2 min, of which\nthe vLLM server's start {start} s; numbers in `bench/engines.json`)",
+    start=V("figures.vllm_start_s", "{:.0f}"),
+)
+quote(
+    BENCH,
+    ENGINES,
+    "the vLLM server starts in {vllm}-54 s against\n{hfcpu}-7.4 s for `hfcpu`",
+    vllm=V("figures.vllm_start_s", "{:.0f}"),
+    hfcpu=V("figures.hfcpu_start_s", "{:.1f}"),
+)
+quote(
+    BENCH,
+    ENGINES,
+    "(the\nsame function: greedy tokens equal on {same} requests)",
+    same=V("figures.same_greedy_tokens"),
+)
+
+CAPACITY = "bench/session_capacity.json"
+for at_once in (1, 2, 4, 8, 16, 32):
+    cell = f"figures.{at_once}"
+    quote(
+        BENCH,
+        CAPACITY,
+        f"| {at_once} | {{seed}} / {{seed_max}} | {{observe}} / {{observe_max}} | {{wall}} | {{memory}} |",
+        seed=V(f"{cell}.seed_median_s", "{:.2f}"),
+        seed_max=V(f"{cell}.seed_max_s", "{:.2f}"),
+        observe=V(f"{cell}.observe_median_s", "{:.2f}"),
+        observe_max=V(f"{cell}.observe_max_s", "{:.2f}"),
+        wall=V(f"{cell}.wall_per_episode_s", "{:.2f}"),
+        memory=V(f"{cell}.environment_peak_gib", "{:.2f}"),
+    )
+quote(BENCH, CAPACITY, "load average {load} from other\nwork", load=V("machine.load", "{:.0f}", formula=float))
+quote(
+    BENCH,
+    CAPACITY,
+    "memory grows by about\n{per_browser} GiB per open browser",
+    per_browser=V(
+        ("figures.1.environment_peak_gib", "figures.32.environment_peak_gib"),
+        "{:.2f}",
+        formula=lambda one, many: (many - one) / 31,
+    ),
+)
+
+CHAOS = "bench/chaos.json"
+FAKE, REAL = "figures.targets[0]", "figures.targets[1]"
+COUNT = r"(\d+/\d+)$"
+quote(
+    BENCH,
+    CHAOS,
+    "(92 s here, of which the fakes {fake_s} s; numbers in `bench/chaos.json`)",
+    fake_s=V(f"{FAKE}.wall_s", "{:.0f}"),
+)
+quote(
+    BENCH,
+    CHAOS,
+    "| | fakes (4 servers, {fake_n} rollouts in {fake_s} s) | real server ({real_n} rollouts in {real_s} s) |",
+    fake_n=V(f"{FAKE}.rollouts"),
+    fake_s=V(f"{FAKE}.wall_s", "{:.0f}"),
+    real_n=V(f"{REAL}.rollouts"),
+    real_s=V(f"{REAL}.wall_s", "{:.0f}"),
+)
+quote(
+    BENCH,
+    CHAOS,
+    "| injected faults classified infrastructure | {fake}, each with its expected kind "
+    "| {real}, each with its expected kind |",
+    fake=V(f"{FAKE}.checks[0].check", pattern=COUNT),
+    real=V(f"{REAL}.checks[0].check", pattern=COUNT),
+)
+quote(
+    BENCH,
+    CHAOS,
+    "| policy outcomes classified infrastructure | {fake} | {real} |",
+    fake=V(f"{FAKE}.checks[2].check", pattern=COUNT),
+    real=V(f"{REAL}.checks[2].check", pattern=COUNT),
+)
+JUDGE_DOWN = "matrix.judge stops answering.infrastructure"
+
+
+def _faults_minus_judged(check: str, judged: int) -> int:
+    """Faults injected (the check's ``182/182``) less those of the judge, which is not resampled."""
+    return int(re.search(r"(\d+)/\d+$", check).group(1)) - judged
+
+
+quote(
+    BENCH,
+    CHAOS,
+    "| rollout slots that produced a valid sample | {fake}/{fake} | {real}/{real} |",
+    fake=V((f"{FAKE}.rollouts", f"{FAKE}.{JUDGE_DOWN}"), formula=lambda n, judged: n - judged),
+    real=V((f"{REAL}.rollouts", f"{REAL}.{JUDGE_DOWN}"), formula=lambda n, judged: n - judged),
+)
+quote(
+    BENCH,
+    CHAOS,
+    "| longest attempt vs deadline + one call timeout | {fake} s vs {fake_bound} s (event-loop lag up to {lag} s",
+    fake=V(f"{FAKE}.checks[5].check", pattern=r"longest attempt ([\d.]+) s"),
+    fake_bound=V(f"{FAKE}.checks[5].check", pattern=r"= (\d+) s"),
+    lag=V(f"{FAKE}.checks[5].check", "{:.1f}", pattern=r"lag ([\d.]+) s", formula=float),
+)
+quote(
+    BENCH,
+    CHAOS,
+    "| {real} s vs {real_bound} s |",
+    real=V(f"{REAL}.checks[5].check", "{:.1f}", pattern=r"longest attempt ([\d.]+) s", formula=float),
+    real_bound=V(f"{REAL}.checks[5].check", pattern=r"= (\d+) s"),
+)
+quote(
+    BENCH,
+    CHAOS,
+    "rollouts whose judge stopped answering ({fake} and {real})",
+    fake=V(f"{FAKE}.{JUDGE_DOWN}"),
+    real=V(f"{REAL}.{JUDGE_DOWN}"),
+)
+quote(
+    BENCH,
+    CHAOS,
+    "Every rollout that a fault hit was resampled ({fake} and {real})",
+    fake=V((f"{FAKE}.checks[0].check", f"{FAKE}.{JUDGE_DOWN}"), formula=_faults_minus_judged),
+    real=V((f"{REAL}.checks[0].check", f"{REAL}.{JUDGE_DOWN}"), formula=_faults_minus_judged),
+)
+
+LONG = "bench/long_episodes.json"
+for index, (steps, mode) in enumerate([(s, m) for s in (5, 15, 30) for m in ("one sample", "step-wise")]):
+    cell = f"figures.cells[{index}]"
+    quote(
+        BENCH,
+        LONG,
+        f"| {steps} | {mode} | {{samples}} | {{tokens_max}} | {{tokens_mean}} | {{heap}} MiB |",
+        samples=V(f"{cell}.samples", "{:.0f}"),
+        tokens_max=V(f"{cell}.tokens_max", "{:,}"),
+        tokens_mean=V(f"{cell}.tokens_mean", "{:,.0f}"),
+        heap=V(f"{cell}.peak_mib", "{:.2f}"),
+    )
+quote(
+    BENCH,
+    LONG,
+    "Step-wise tokens per sample are flat (+{growth} % from 5 to 30 steps",
+    growth=V("figures.verdict", pattern=r"step-wise largest sample \+(\d+)%"),
+)
+
+
+# ----- the tests ------------------------------------------------------------------------------------------------------
+
+
+def _page(name: str) -> str:
+    return (ROOT / name).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("quoted", QUOTES, ids=lambda q: f"{q.page}:{q.text.splitlines()[0][:60]}")
+def test_each_quoted_figure_is_the_one_its_benchmark_json_holds(quoted: Quote) -> None:
+    expected = quoted.render()
+    page = _page(quoted.page)
+    if expected not in page:
+        lines = page.splitlines()
+        first = expected.splitlines()[0]
+        near = difflib.get_close_matches(first, lines, n=1, cutoff=0.3)
+        pytest.fail(
+            f"{quoted.page} should quote, from {quoted.source}:\n  {expected!r}\nclosest line there:\n  {near!r}"
+        )
+
+
+def test_every_benchmark_table_the_docs_mark_as_checked_has_quotes() -> None:
+    marked = {
+        (page, match)
+        for page in ("README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))))
+        for match in re.findall(r"<!-- figures: (bench/[\w.]+\.json)", _page(page))
+    }
+    quoted = {(q.page, q.source) for q in QUOTES}
+
+    assert marked, "no page marks its figures"
+    assert sorted(marked - quoted) == []
+
+
+def test_the_main_benchmarks_are_covered() -> None:
+    sources = {q.source for q in QUOTES}
+
+    for source in (BIAS, CURVE, ENGINES, CAPACITY, CHAOS):
+        assert source in sources
+    assert len(QUOTES) >= 80
+
+
+def test_a_changed_figure_or_json_value_is_caught(tmp_path: Path) -> None:
+    data = {"figures": {"rows": [{"arm": "recipe", "s": 0.125}, {"arm": "stock", "s": 2.5}]}}
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    value = V("figures.rows[arm=recipe].s", "{:.0f}", scale=1000)
+
+    assert value.render(data) == "125"
+    assert V("figures.rows[*].s", "{:.2f}", reduce="mean").render(data) == "1.31"
+    data["figures"]["rows"][0]["s"] = 0.126
+    assert value.render(data) != "125"
+    with pytest.raises(KeyError, match="nothing at"):
+        lookup(data, "figures.rows[arm=none].s")

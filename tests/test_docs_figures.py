@@ -9,9 +9,6 @@ rendered quote differs). A table is a quote per row.
 Key paths: ``figures.points[3].correct[0]``; ``runs[arm=recipe,rate=0.85]`` keeps the list items whose fields match
 (several may, then the value names how to reduce them: ``mean``, ``min``, ``max``, ``sum``); ``*`` is every value of a
 mapping or list; ``bench/other.json:runs[0].minutes`` reads another benchmark's JSON.
-
-Figures from ``bench/learning_curve_vllm.json`` are not tied here yet: that benchmark is being run again (see
-``VLLM_LEARNING_QUOTES`` below).
 """
 
 from __future__ import annotations
@@ -313,10 +310,54 @@ quote(
     end=V("runs[0].evaluated.8.heldback_success", "{:.2f}"),
 )
 
-# bench/learning_curve_vllm.json: its benchmark is being run again; tie the figures of docs/learning-results.md's
-# "On verl's vLLM rollout" section here once the new JSON is in (e.g. held-back success at steps 0 and 8 per arm,
-# browsing, minutes, step times and peak memory), as the hfcpu quotes above do.
-VLLM_LEARNING_QUOTES: list[Quote] = []
+# bench/learning_curve_vllm.json: docs/learning-results.md's "On verl's vLLM rollout" section
+VLLM_CURVE = "bench/learning_curve_vllm.json"
+
+
+def vllm_curve(arm: str, step: int, key: str, reduce: str, fmt: str = "{:.2f}", scale: float = 1.0) -> Value:
+    return V(f"runs[arm={arm}].evaluated.{step}.{key}", fmt, reduce=reduce, scale=scale)
+
+
+def vllm_step_s(arm: str, reduce: str) -> Value:
+    """``reduce`` over the seeds of ``arm`` of each run's mean step time."""
+    paths = tuple(f"runs[arm={arm},seed={seed}].training.*.step_s" for seed in range(3))
+    return V(paths, "{:.0f}", reduce="mean", formula=lambda *means: REDUCERS[reduce](list(means)))
+
+
+VLLM_LEARNING_QUOTES: list[Quote] = [
+    Quote(
+        "docs/learning-results.md",
+        "copy on vLLM's CPU build; `bench/learning_curve_vllm.json`, {minutes} min for 6 runs): the recipe takes "
+        "held-back\nsuccess from {r0} ({r0min}–{r0max}) to {r8} ({r8min}–{r8max}) in 8 steps, every seed above 0.8 "
+        "from step 4 on\n"
+        "({r4min}–{r4max} there), and held-back browsing from {rb0} % to {rb8} %; stock GRPO goes from {s0} to {s8}\n"
+        "({s8min}–{s8max}) and stops browsing ({sb8} %). Steps take {rs_min}–{rs_max} s (recipe) and {ss} s (stock),\n"
+        "{peak} GiB peak.",
+        VLLM_CURVE,
+        {
+            "minutes": V("runs[*].minutes", "{:.0f}", reduce="sum"),
+            "r0": vllm_curve("recipe", 0, "heldback_success", "mean"),
+            "r0min": vllm_curve("recipe", 0, "heldback_success", "min"),
+            "r0max": vllm_curve("recipe", 0, "heldback_success", "max"),
+            "r8": vllm_curve("recipe", 8, "heldback_success", "mean"),
+            "r8min": vllm_curve("recipe", 8, "heldback_success", "min"),
+            "r8max": vllm_curve("recipe", 8, "heldback_success", "max"),
+            "r4min": vllm_curve("recipe", 4, "heldback_success", "min"),
+            "r4max": vllm_curve("recipe", 4, "heldback_success", "max"),
+            "rb0": vllm_curve("recipe", 0, "heldback_browsed", "mean", "{:.0f}", 100),
+            "rb8": vllm_curve("recipe", 8, "heldback_browsed", "mean", "{:.0f}", 100),
+            "s0": vllm_curve("stock", 0, "heldback_success", "mean"),
+            "s8": vllm_curve("stock", 8, "heldback_success", "mean"),
+            "s8min": vllm_curve("stock", 8, "heldback_success", "min"),
+            "s8max": vllm_curve("stock", 8, "heldback_success", "max"),
+            "sb8": vllm_curve("stock", 8, "heldback_browsed", "mean", "{:.0f}", 100),
+            "rs_min": vllm_step_s("recipe", "min"),
+            "rs_max": vllm_step_s("recipe", "max"),
+            "ss": vllm_step_s("stock", "mean"),
+            "peak": V("runs[*].peak_memory_gib", "{:.1f}", reduce="max"),
+        },
+    )
+]
 QUOTES += VLLM_LEARNING_QUOTES
 
 # ----- benchmarks (docs/benchmarks.md) ----------------------------------------------------------------------------

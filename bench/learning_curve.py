@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_browser import settings
 from nemo_gym_browser.local import main_ppo_process as mp
 from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import shop_tasks
@@ -55,7 +56,7 @@ ENGINES = tr.ENGINES
 HERE = Path(__file__).resolve().parent
 ARMS = ("recipe", "stock")
 SUITES = ("deal", "aisle")
-SAMPLE_MODES = ("trajectory", "stepwise")
+SAMPLE_MODES = settings.SAMPLE_MODES
 STEPWISE_OVERRIDE = "nemo_gym_browser.stepwise.enabled=true"
 TARGET_SUCCESS = 0.8  # held-back clean success a run is timed to ("steps to 0.8")
 SPLITS = ("train", "heldback")

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from transformers import Qwen2ForCausalLM
 
+from ..settings import SAMPLE_MODES
 from . import shop_tasks
 from .policy_evaluation import evaluate
 from .policy_model import ModelSpec, build_model, parameter_count, policy_tokenizer
-from .warm_start import SAMPLE_MODES, WarmStartSpec, collect_demonstrations, load_samples, warm_start
+from .warm_start import WarmStartSpec, collect_demonstrations, load_samples, warm_start
 
 REPORT_FILE = "warm_start.json"
 
@@ -88,7 +89,7 @@ def build(
 
     ``start_from``: continue from the weights of a folder this function wrote (same tokenizer) instead of a new
     model; ``model_spec`` is then that folder's. ``sample_modes``: play each task in each of these modes
-    (:data:`.warm_start.SAMPLE_MODES`).
+    (``settings.SAMPLE_MODES``).
     """
     output_dir = Path(output_dir)
     tokenizer = policy_tokenizer()
@@ -329,6 +330,9 @@ def _parser() -> argparse.ArgumentParser:
                               help="which task file(s), repeatable (default: both)")  # fmt: skip
     evaluate_cmd.add_argument("--limit", type=int, default=None, help="the first N tasks of each kind per split")
     evaluate_cmd.add_argument("--seed", type=int, default=0, help="the rollout server's sampling seed")
+    evaluate_cmd.add_argument("--sample-mode", choices=SAMPLE_MODES, default="trajectory",
+                              help="the prompts the policy sees: the whole episode (trajectory) or step-wise mode's "
+                              "bounded ones (default %(default)s)")  # fmt: skip
     evaluate_cmd.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results here")
     return parser
 
@@ -406,6 +410,7 @@ def _evaluate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             temperatures=args.temperature or (1.0, 0.0),
             episodes_per_task=args.episodes_per_task,
             seed=args.seed,
+            sample_mode=args.sample_mode,
         )
     )
     print(

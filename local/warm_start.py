@@ -7,8 +7,8 @@
 model's (``response_mask == 1``), never on the prompt or on tool responses. The demonstrations always act in the
 right format and order, on copies of the shop whose links are listed in a shuffled order, and pick the element the
 task names with probability ``correct`` (:class:`WarmStartSpec`), so which element to pick is left for RL to learn.
-They are played in either sample mode (:data:`SAMPLE_MODES`): a step-wise episode gives one demonstration per step,
-each over the bounded prompt that mode shows the policy.
+They are played in either sample mode (``settings.SAMPLE_MODES``): a step-wise episode gives one
+demonstration per step, each over the bounded prompt that mode shows the policy.
 
 Deterministic for a seed and a thread count: the same seed gives the same demonstrations and the same trained
 weights. The environment server and the loop's shared HTTP clients are closed when collecting ends, however it ends.
@@ -31,12 +31,8 @@ from . import shop_tasks
 from .policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
 from .shop_scripts import Chooser, aisle_script, deal_script, script_for
 
-# How an episode becomes samples: one per episode (verl's default) or one per policy step (stepwise.enabled).
-SAMPLE_MODES = ("trajectory", "stepwise")
 # A step-wise loop needs a turn limit; the longest shop task takes 4 turns.
 STEPWISE_TURN_LIMIT = 8
-# What verl's V1 worker passes with each step-wise episode (the loop refuses step-wise mode without them).
-_V1_KWARGS = {"uid": "demonstration", "session_id": 0, "global_steps": 0}
 _SCRIPTS = {"deal": deal_script, "aisle": aisle_script}
 
 
@@ -104,7 +100,7 @@ async def collect_demonstrations(
     """
     from ..browser_agent_loop import close_shared_clients
     from .environment_server.server import InProcessEnvironmentServer
-    from .in_process_loop import build_loop, compose_trainer_config, load_tools
+    from .in_process_loop import SAMPLE_MODES, build_loop, compose_trainer_config, load_tools, run_episode
 
     unknown = set(sample_modes) - set(SAMPLE_MODES)
     if unknown or not sample_modes:
@@ -143,7 +139,7 @@ async def collect_demonstrations(
                             environment={"server_urls": [server.url]},
                             stepwise={"enabled": stepwise},
                         )
-                        outputs = await loop.run({}, **sample, **(_V1_KWARGS if stepwise else {}))
+                        outputs = await run_episode(loop, {}, sample, mode)
                         demonstrations += _demonstrations(outputs, task_id, record["kind"], mode)
     finally:
         await close_shared_clients()
@@ -151,9 +147,9 @@ async def collect_demonstrations(
 
 
 def _demonstrations(outputs: Any, task_id: str, kind: str, mode: str) -> list[Demonstration]:
-    """What the loop returned for one episode (a list of step samples in step-wise mode), as demonstrations."""
+    """One episode's samples (one, or one per step in step-wise mode) as demonstrations."""
     demonstrations = []
-    for output in outputs if isinstance(outputs, list) else [outputs]:
+    for output in outputs:
         if output.extra_fields.get("env_invalid"):
             failure = output.extra_fields.get("env_failure_reason")
             raise RuntimeError(f"the environment server failed a demonstration of {task_id}: {failure}")

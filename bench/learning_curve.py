@@ -285,8 +285,9 @@ def mean_text(values: list[float]) -> str:
 def print_summary(runs: list[dict[str, Any]]) -> None:
     print("\nclean success and browsing, mean (min-max) over seeds, by evaluated step")
     columns = ("train_success", "heldback_success", "train_browsed", "heldback_browsed", "train_browser_calls")
-    print(f"{'rate':>5} {'arm':<7} {'step':>4} " + " ".join(f"{c:>20}" for c in columns))
     modes = [mode for mode in SAMPLE_MODES if any(run.get("sample_mode", "trajectory") == mode for run in runs)]
+    width = 7 if len(modes) == 1 else 17  # "arm" or "arm/mode"
+    print(f"{'rate':>5} {'arm':<{width}} {'step':>4} " + " ".join(f"{c:>20}" for c in columns))
     for rate, arm, mode in ((r, a, m) for r in sorted({run["rate"] for run in runs}) for a in ARMS for m in modes):
         group = [
             run
@@ -305,7 +306,7 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
                         if step in run["evaluated"] and column in run["evaluated"][step]
                     ]
                     cells.append(f"{spread(values):>20}")
-                print(f"{rate:>5.0%} {label:<7} {step:>4} " + " ".join(cells))
+                print(f"{rate:>5.0%} {label:<{width}} {step:>4} " + " ".join(cells))
     print(f"\nper sample mode: steps to {TARGET_SUCCESS} held-back success (per seed), costs (mean over seeds)")
     print(f"{'suite':<6} {'mode':<10} {'arm':<7} {'rate':>5} {'steps to':>14} {'s/step':>7} {'samples':>7} "
           f"{'tokens/sample':>13} {'max':>6} {'peak GiB':>8}")  # fmt: skip

@@ -50,13 +50,15 @@ DEAL_POLICY_DIR = Path(__file__).resolve().parent / "deal_policy"
 # The aisle tasks' policy (build_aisle; shipped as AISLE_POLICY_DIR), continued from the deal policy, which already
 # names the fruit a board marks: solver demonstrations (observe, click the aisle marked (deal), name the fruit its
 # stand marks) until pointing at the marked aisle's link is in its repertoire too, then demonstrations of which four
-# in five answer at once from memory. Both phases play every task in both sample modes, so the policy has seen the
-# prompts of either (a step-wise prompt shows only the latest observation).
-AISLE_SOLVER = WarmStartSpec(correct=1.0, guess=0.0, demos_per_task=1, steps=2000, batch_size=32, lr=2e-3,
+# in five answer at once from memory. The first phase plays one sample per episode (three turns a sample: the most
+# to learn from per token); the second plays every task in both sample modes, so the policy has seen the prompts of
+# either (a step-wise prompt shows only the latest observation).
+AISLE_SOLVER = WarmStartSpec(correct=1.0, guess=0.0, demos_per_task=1, steps=600, batch_size=32, lr=3e-3,
                              warmup_steps=50)  # fmt: skip
-AISLE_MIXED = WarmStartSpec(correct=1.0, guess=0.8, demos_per_task=1, steps=200, batch_size=32, lr=1e-3,
+AISLE_MIXED = WarmStartSpec(correct=1.0, guess=0.8, demos_per_task=1, steps=300, batch_size=32, lr=1e-3,
                             warmup_steps=20, seed=1)  # fmt: skip
-AISLE_SAMPLE_MODES = SAMPLE_MODES
+AISLE_SOLVER_MODES = ("trajectory",)
+AISLE_MIXED_MODES = SAMPLE_MODES
 AISLE_POLICY_DIR = Path(__file__).resolve().parent / "aisle_policy"
 
 
@@ -175,7 +177,8 @@ def build_deal(output_dir: Path, *, seed: int = 0, solver_dir: Path | None = Non
 def build_aisle(output_dir: Path, *, seed: int = 0, solver_dir: Path | None = None) -> WarmStartReport:
     """The aisle policy: :data:`AISLE_SOLVER` from the deal policy's weights into ``solver_dir`` (default:
     ``output_dir`` with ``-solver`` appended; kept, and reused when it is already there), then :data:`AISLE_MIXED`
-    from its weights into ``output_dir``, both in :data:`AISLE_SAMPLE_MODES`. Seeds are offset by ``seed``."""
+    from its weights into ``output_dir``, in :data:`AISLE_SOLVER_MODES` and :data:`AISLE_MIXED_MODES`. Seeds are
+    offset by ``seed``."""
     output_dir = Path(output_dir)
     solver_dir = Path(solver_dir) if solver_dir is not None else output_dir.with_name(output_dir.name + "-solver")
     if not (solver_dir / REPORT_FILE).exists():
@@ -184,14 +187,14 @@ def build_aisle(output_dir: Path, *, seed: int = 0, solver_dir: Path | None = No
             warm=replace(AISLE_SOLVER, seed=AISLE_SOLVER.seed + seed),
             task_file=shop_tasks.AISLE_TRAIN_FILE,
             start_from=DEAL_POLICY_DIR,
-            sample_modes=AISLE_SAMPLE_MODES,
+            sample_modes=AISLE_SOLVER_MODES,
         )
     return build(
         output_dir,
         warm=replace(AISLE_MIXED, seed=AISLE_MIXED.seed + seed),
         task_file=shop_tasks.AISLE_TRAIN_FILE,
         start_from=solver_dir,
-        sample_modes=AISLE_SAMPLE_MODES,
+        sample_modes=AISLE_MIXED_MODES,
     )
 
 

@@ -16,6 +16,7 @@ weights. The environment server and the loop's shared HTTP clients are closed wh
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -31,8 +32,12 @@ from . import shop_tasks
 from .policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
 from .shop_scripts import Chooser, aisle_script, deal_script, script_for
 
+logger = logging.getLogger(__name__)
+
 # A step-wise loop needs a turn limit; the longest shop task takes 4 turns.
 STEPWISE_TURN_LIMIT = 8
+# How often a long warm start reports its progress (the mean loss since the last report).
+PROGRESS_EVERY = 100
 _SCRIPTS = {"deal": deal_script, "aisle": aisle_script}
 
 
@@ -265,5 +270,8 @@ def warm_start(
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
+        if len(losses) % PROGRESS_EVERY == 0:
+            recent = losses[-PROGRESS_EVERY:]
+            logger.info("warm start: step %d of %d, mean loss %.4f", len(losses), spec.steps, sum(recent) / len(recent))
     model.eval()
     return losses

@@ -83,8 +83,10 @@ class PolicyView:
     @functools.cached_property
     def step(self) -> int:
         """Policy steps already taken in the episode (0 on the first generation), in either sample mode: a
-        step-wise prompt holds only the latest steps, so there the count is read from its history line."""
-        match = _STEP_HISTORY.search(self.text)
+        step-wise prompt holds only the latest steps, so there the count is read from its history line (the user
+        message after the task's)."""
+        users = [(start, end) for role, start, end in self._turns if role == "user"]
+        match = _STEP_HISTORY.match(self._decode(*users[1])) if len(users) > 1 else None
         return int(match.group(1)) if match else self.turn
 
     @functools.cached_property

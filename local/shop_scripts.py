@@ -2,10 +2,9 @@
 wrongly some of the time.
 
 :func:`script_for` (lookup tasks), :func:`deal_script` (deal tasks) and :func:`aisle_script` (aisle tasks) turn a
-task record of :mod:`.shop_tasks`
-into a :mod:`~nemo_gym_browser.local.scripted_policy` script that reads each observation it is shown and writes
-the recipe's ``browser`` tool calls (:func:`call`); a :class:`Chooser` decides how often it picks the element the
-task names. Deterministic for a given ``Chooser`` rng and sequence of observations.
+task record of :mod:`.shop_tasks` into a :mod:`~nemo_gym_browser.local.scripted_policy` script that reads each
+observation it is shown and writes the recipe's ``browser`` tool calls (:func:`call`); a :class:`Chooser` decides
+how often it picks the element the task names. Deterministic for a given ``Chooser`` rng and sequence of observations.
 """
 
 from __future__ import annotations

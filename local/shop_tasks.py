@@ -104,7 +104,8 @@ AISLE_TASKS_PER_FRUIT = DEAL_TASKS_PER_FRUIT
 AISLE_HELD_BACK_EVERY = DEAL_HELD_BACK_EVERY
 AISLES_PAGE = "aisles.html"
 AISLE_PAGE = "aisle.html"
-# Shares no token with the aisle names, the page text or the sale mark (the policy points at it, not at a word).
+# Its word shares no token with the aisle names, the pages' text, the question or the sale mark: the policy points at
+# the mark, so nothing else should look like it.
 DEAL_MARK = "(deal)"
 
 

@@ -214,6 +214,11 @@ class UrlPolicy(Settings):
         return entries
 
 
+# How an episode becomes samples, as tools and benchmarks name it: one per episode (stepwise.enabled false, verl's
+# default) or one per policy step (stepwise.enabled true).
+SAMPLE_MODES = ("trajectory", "stepwise")
+
+
 class StepwiseSettings(Settings):
     """Step-wise samples, one per policy step over a bounded prompt (V1 trainer only); off by default."""
 

@@ -4,7 +4,15 @@ Every run is a real ``python -m verl.trainer.main_ppo`` (V1 trainer, ``BrowserTo
 place of vLLM) of the warm-started tiny policy on the Corner Shop's deal tasks (``shop_tasks``, suite ``deal``):
 name the fruit a board marks on sale. Two routes solve one: read the board (an ``observe`` call, then ``finish``
 with the marked fruit), or ``finish`` at once with a fruit from memory, never touching the browser, which is right
-one time in four. The warm start takes both routes and reads the mark only some of the time.
+one time in four. The warm start takes both routes and reads the mark only some of the time. ``--suite aisle``
+asks the same two browser calls away (observe the aisles, click the one marked, then name the fruit its stand
+marks), with its own warm-started policy (``local/aisle_policy``).
+
+``--sample-mode``: one sample per episode (``trajectory``, verl's default) or one per policy step (``stepwise``:
+``nemo_gym_browser.stepwise.enabled``); each mode listed runs every arm, seed and rate. Per run it records steps to
+0.8 held-back success, seconds per step, tokens per sample (the mean, from verl's ``perf/total_num_tokens`` over
+the step's samples; the max as the longest prompt plus the longest response of a step, verl's ``prompt_length`` and
+``response_length``) and peak memory, and per suite, mode, arm and rate their summary (``by_mode``).
 
 Two arms, the same policy, tasks and seed:
 
@@ -34,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_browser import settings
 from nemo_gym_browser.local import main_ppo_process as mp
 from nemo_gym_browser.local import run_spec as rs
 from nemo_gym_browser.local import shop_tasks
@@ -46,18 +55,31 @@ ENGINES = tr.ENGINES
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("recipe", "stock")
-# Validation data sources: the training tasks and the held-back boards, scored apart by verl's validation.
-VAL_SOURCES = {"train": "deal-train", "heldback": "deal-heldback"}
+SUITES = ("deal", "aisle")
+SAMPLE_MODES = settings.SAMPLE_MODES
+STEPWISE_OVERRIDE = "nemo_gym_browser.stepwise.enabled=true"
+TARGET_SUCCESS = 0.8  # held-back clean success a run is timed to ("steps to 0.8")
+SPLITS = ("train", "heldback")
 VAL_TASK_PREFIX = "val--"
 
 
-def validation_rows(rows: Path, split: str, output: Path, limit: int) -> tuple[Path, frozenset[str]]:
+def val_sources(suite: str = "deal") -> dict[str, str]:
+    """Validation data sources: the training tasks and the held-back ones, scored apart by verl's validation."""
+    return {split: f"{suite}-{split}" for split in SPLITS}
+
+
+VAL_SOURCES = val_sources()
+
+
+def validation_rows(
+    rows: Path, split: str, output: Path, limit: int, suite: str = "deal"
+) -> tuple[Path, frozenset[str]]:
     """A copy of the first ``limit`` prepared rows for validation: their own data source and task ids (so faults can
     spare them)."""
     lines = []
     for line in rows.read_text(encoding="utf-8").splitlines()[:limit]:
         row = json.loads(line)
-        row["data_source"] = VAL_SOURCES[split]
+        row["data_source"] = val_sources(suite)[split]
         row["task_id"] = VAL_TASK_PREFIX + row["task_id"]
         lines.append(json.dumps(row))
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +87,20 @@ def validation_rows(rows: Path, split: str, output: Path, limit: int) -> tuple[P
     return output, frozenset(json.loads(line)["task_id"] for line in lines)
 
 
-def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: str, data: dict[str, Any]) -> Any:
+def run_name(arm: str, seed: int, rate: float, mode: str = "trajectory") -> str:
+    return f"rate{rate:g}-{arm}-seed{seed}" + ("" if mode == "trajectory" else f"-{mode}")
+
+
+def run_spec(
+    args: argparse.Namespace,
+    *,
+    arm: str,
+    seed: int,
+    rate: float,
+    url: str,
+    data: dict[str, Any],
+    mode: str = "trajectory",
+) -> Any:
     n = args.val_samples
     overrides = [
         f"data.val_files=[{rs.hydra_string(data['val'][0])},{rs.hydra_string(data['val'][1])}]",
@@ -77,12 +112,14 @@ def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url:
         overrides.append("actor_rollout_ref.rollout.full_determinism=True")
     if arm == "stock":
         overrides.append("+nemo_gym_browser.train_on_failures=True")
+    if mode == "stepwise":
+        overrides.append(STEPWISE_OVERRIDE)
     return rs.RunSpec(
         model_path=data["model"],
         train_file=data["train"],
         val_file=data["val"][0],
         server_urls=(url,),
-        output_dir=args.workdir / f"rate{rate:g}-{arm}-seed{seed}",
+        output_dir=args.workdir / run_name(arm, seed, rate, mode),
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         group_size=args.group_size,
@@ -98,12 +135,12 @@ def run_spec(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url:
     )
 
 
-def evaluated(steps: dict[int, dict[str, Any]], n: int) -> dict[int, dict[str, float]]:
-    """Per evaluated step: clean success and browsing, on training tasks and held-back boards."""
+def evaluated(steps: dict[int, dict[str, Any]], n: int, suite: str = "deal") -> dict[int, dict[str, float]]:
+    """Per evaluated step: clean success and browsing, on training tasks and held-back ones."""
     out = {}
     for step, metrics in sorted(steps.items()):
         row = {}
-        for split, source in VAL_SOURCES.items():
+        for split, source in val_sources(suite).items():
             for name, key in (
                 ("success", f"val-core/{source}/reward/mean@{n}"),
                 ("browsed", f"val-aux/{source}/env/browsed/mean@{n}"),
@@ -116,8 +153,81 @@ def evaluated(steps: dict[int, dict[str, Any]], n: int) -> dict[int, dict[str, f
     return out
 
 
-def run_one(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: str, data: dict[str, Any]) -> dict:
-    spec = run_spec(args, arm=arm, seed=seed, rate=rate, url=url, data=data)
+def steps_to(evaluations: dict[int, dict[str, float]], target: float = TARGET_SUCCESS) -> int | None:
+    """The first evaluated step whose held-back clean success is at least ``target`` (None: not within the run)."""
+    return next((step for step, row in sorted(evaluations.items()) if row.get("heldback_success", 0.0) >= target), None)
+
+
+def sample_tokens(steps: dict[int, dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per training step, tokens per sample: the mean (all prompt and response tokens the step trained on over its
+    samples: episodes, or step samples in step-wise mode) and verl's longest prompt and longest response."""
+    out = {}
+    for step, metrics in sorted(steps.items()):
+        if step < 1 or "prompt_length/max" not in metrics:
+            continue
+        row = {key: float(metrics[key]) for key in LENGTH_KEYS if key in metrics}
+        samples = metrics.get("env/step_samples") or metrics.get("env/samples")
+        if samples:
+            row["samples"] = float(samples)
+            if "perf/total_num_tokens" in metrics:
+                row["tokens_per_sample_mean"] = float(metrics["perf/total_num_tokens"]) / float(samples)
+        out[step] = row
+    return out
+
+
+LENGTH_KEYS = ("prompt_length/mean", "prompt_length/max", "response_length/mean", "response_length/max")
+
+
+def run_costs(run: dict[str, Any]) -> dict[str, Any]:
+    """What a run cost: seconds per training step, tokens per sample (mean; max = the longest prompt plus the
+    longest response of any step, which one sample reaches when it holds both), peak memory; and steps to 0.8."""
+    seconds = [t["step_s"] for t in run["training"].values() if t.get("step_s") is not None]
+    tokens = run.get("tokens", {}).values()
+    means = [t["tokens_per_sample_mean"] for t in tokens if "tokens_per_sample_mean" in t]
+    maxima = [t["prompt_length/max"] + t["response_length/max"] for t in tokens if "response_length/max" in t]
+    samples = [t["samples"] for t in tokens if t.get("samples")]
+    return {
+        "steps_to_target": steps_to(run["evaluated"]),
+        "seconds_per_step": sum(seconds) / len(seconds) if seconds else None,
+        "tokens_per_sample_mean": sum(means) / len(means) if means else None,
+        "tokens_per_sample_max": max(maxima) if maxima else None,
+        "samples_per_step": sum(samples) / len(samples) if samples else None,
+        "peak_memory_gib": run["peak_memory_gib"],
+    }
+
+
+def by_mode(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per suite, sample mode, arm and rate: each seed's steps to 0.8 and the mean costs over seeds."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        key = (run.get("suite", "deal"), run.get("sample_mode", "trajectory"), run["arm"], run["rate"])
+        groups.setdefault(key, []).append(run)
+    summary = []
+    for (suite, mode, arm, rate), group in groups.items():
+        costs = [run["costs"] for run in group]
+        row: dict[str, Any] = {"suite": suite, "sample_mode": mode, "arm": arm, "rate": rate}
+        row["seeds"] = [run["seed"] for run in group]
+        row["steps_to_target"] = [cost["steps_to_target"] for cost in costs]
+        for key in ("seconds_per_step", "tokens_per_sample_mean", "samples_per_step", "peak_memory_gib"):
+            values = [cost[key] for cost in costs if cost[key] is not None]
+            row[key] = sum(values) / len(values) if values else None
+        maxima = [cost["tokens_per_sample_max"] for cost in costs if cost["tokens_per_sample_max"] is not None]
+        row["tokens_per_sample_max"] = max(maxima) if maxima else None
+        summary.append(row)
+    return summary
+
+
+def run_one(
+    args: argparse.Namespace,
+    *,
+    arm: str,
+    seed: int,
+    rate: float,
+    url: str,
+    data: dict[str, Any],
+    mode: str = "trajectory",
+) -> dict:
+    spec = run_spec(args, arm=arm, seed=seed, rate=rate, url=url, data=data, mode=mode)
     with inj.InjectedFaults(url, spec.faults.rule(seed, spare_tasks=data["val_ids"])) as faults:
         result = mp.run_main_ppo(
             spec.replace(server_urls=(faults.url,)), timeout_s=args.timeout, python=rs.main_ppo_python(spec)
@@ -139,17 +249,22 @@ def run_one(args: argparse.Namespace, *, arm: str, seed: int, rate: float, url: 
         for step, m in sorted(result.steps.items())
         if step > 0
     }
-    return {
+    run = {
         "arm": arm,
         "seed": seed,
         "rate": rate,
         "minutes": result.elapsed_s / 60,
         "peak_memory_gib": result.peak_memory_bytes / 2**30,
-        "evaluated": evaluated(result.steps, args.val_samples),
+        "evaluated": evaluated(result.steps, args.val_samples, args.suite),
         "training": training,
         "faults_injected": injected,
         "sessions_left_open": left_open,
+        "suite": args.suite,
+        "sample_mode": mode,
+        "tokens": sample_tokens(result.steps),
     }
+    run["costs"] = run_costs(run)
+    return run
 
 
 def spread(values: list[float]) -> str:
@@ -159,6 +274,10 @@ def spread(values: list[float]) -> str:
     return f"{mean:.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def number_text(value: float | None, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else "-".rjust(width)
+
+
 def mean_text(values: list[float]) -> str:
     return f"{sum(values) / len(values):.2f}" if values else "-"
 
@@ -166,12 +285,17 @@ def mean_text(values: list[float]) -> str:
 def print_summary(runs: list[dict[str, Any]]) -> None:
     print("\nclean success and browsing, mean (min-max) over seeds, by evaluated step")
     columns = ("train_success", "heldback_success", "train_browsed", "heldback_browsed", "train_browser_calls")
-    print(f"{'rate':>5} {'arm':<7} {'step':>4} " + " ".join(f"{c:>20}" for c in columns))
-    for rate in sorted({run["rate"] for run in runs}):
-        for arm in ARMS:
-            group = [run for run in runs if run["rate"] == rate and run["arm"] == arm]
-            if not group:
-                continue
+    modes = [mode for mode in SAMPLE_MODES if any(run.get("sample_mode", "trajectory") == mode for run in runs)]
+    width = 7 if len(modes) == 1 else 17  # "arm" or "arm/mode"
+    print(f"{'rate':>5} {'arm':<{width}} {'step':>4} " + " ".join(f"{c:>20}" for c in columns))
+    for rate, arm, mode in ((r, a, m) for r in sorted({run["rate"] for run in runs}) for a in ARMS for m in modes):
+        group = [
+            run
+            for run in runs
+            if run["rate"] == rate and run["arm"] == arm and run.get("sample_mode", "trajectory") == mode
+        ]
+        if group:
+            label = arm if len(modes) == 1 else f"{arm}/{mode}"
             steps = sorted({int(s) for run in group for s in run["evaluated"]})
             for step in steps:
                 cells = []
@@ -182,14 +306,26 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
                         if step in run["evaluated"] and column in run["evaluated"][step]
                     ]
                     cells.append(f"{spread(values):>20}")
-                print(f"{rate:>5.0%} {arm:<7} {step:>4} " + " ".join(cells))
+                print(f"{rate:>5.0%} {label:<{width}} {step:>4} " + " ".join(cells))
+    print(f"\nper sample mode: steps to {TARGET_SUCCESS} held-back success (per seed), costs (mean over seeds)")
+    print(f"{'suite':<6} {'mode':<10} {'arm':<7} {'rate':>5} {'steps to':>14} {'s/step':>7} {'samples':>7} "
+          f"{'tokens/sample':>13} {'max':>6} {'peak GiB':>8}")  # fmt: skip
+    for row in by_mode(runs):
+        reached = " ".join("-" if step is None else str(step) for step in row["steps_to_target"])
+        print(
+            f"{row['suite']:<6} {row['sample_mode']:<10} {row['arm']:<7} {row['rate']:>5.0%} {reached:>14} "
+            f"{number_text(row['seconds_per_step'], 7, 1)} {number_text(row['samples_per_step'], 7, 0)} "
+            f"{number_text(row['tokens_per_sample_mean'], 13, 0)} {number_text(row['tokens_per_sample_max'], 6, 0)} "
+            f"{number_text(row['peak_memory_gib'], 8, 1)}"
+        )
     print("\nrun                         minutes  s/step  gen s  peak GiB  invalid  resampled  faults  left open")
     for run in runs:
         seconds = [t["step_s"] for t in run["training"].values() if t["step_s"] is not None]
         gen = [t["gen_s"] for t in run["training"].values() if t["gen_s"] is not None]
         invalid = [t["invalid_rate"] for t in run["training"].values() if t["invalid_rate"] is not None]
         resampled = [t["resampled_rate"] for t in run["training"].values() if t["resampled_rate"] is not None]
-        name = f"{run['rate']:.0%} {run['arm']} seed {run['seed']}"
+        mode = run.get("sample_mode", "trajectory")
+        name = f"{run['rate']:.0%} {run['arm']} seed {run['seed']}" + ("" if mode == "trajectory" else f" {mode}")
         print(
             f"{name:<27} {run['minutes']:7.1f} {sum(seconds) / max(len(seconds), 1):7.1f} "
             f"{sum(gen) / max(len(gen), 1):6.1f} {run['peak_memory_gib']:9.1f} "
@@ -205,7 +341,8 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rates = sorted({run["rate"] for run in runs})
-    panels = (("heldback_success", "clean success, held-back boards"), ("train_browsed", "share of episodes browsing"))
+    modes = [mode for mode in SAMPLE_MODES if any(run.get("sample_mode", "trajectory") == mode for run in runs)]
+    panels = (("heldback_success", "clean success, held-back tasks"), ("train_browsed", "share of episodes browsing"))
     figure, axes = plt.subplots(
         len(panels), len(rates), figsize=(4.6 * len(rates), 3.2 * len(panels)), sharey="row", squeeze=False
     )
@@ -213,8 +350,12 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     for column, rate in enumerate(rates):
         for row, (key, label) in enumerate(panels):
             axis = axes[row][column]
-            for arm in ARMS:
-                group = [run for run in runs if run["rate"] == rate and run["arm"] == arm]
+            for arm, mode in ((a, m) for a in ARMS for m in modes):
+                group = [
+                    run
+                    for run in runs
+                    if run["rate"] == rate and run["arm"] == arm and run.get("sample_mode", "trajectory") == mode
+                ]
                 if not group:
                     continue
                 steps = sorted({int(s) for run in group for s in run["evaluated"]})
@@ -226,7 +367,9 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
                     values = [run["evaluated"][s][key] for run in group if s in run["evaluated"]]
                     means.append(sum(values) / len(values))
                 style = "-" if arm == "recipe" else "--"
-                axis.plot(steps, means, style, color=colours[arm], marker="o", ms=3, label=f"{arm} (mean)")
+                marker = "o" if mode == "trajectory" else "s"
+                name = arm if len(modes) == 1 else f"{arm}, {mode}"
+                axis.plot(steps, means, style, color=colours[arm], marker=marker, ms=3, label=f"{name} (mean)")
             axis.set_ylim(-0.02, 1.02)
             axis.grid(alpha=0.3)
             if row == 0:
@@ -252,6 +395,9 @@ examples:
   python bench/learning_curve.py                                   # rates 0 and 0.85, seeds 0 1 2, both arms
   python bench/learning_curve.py --rates 0.85 --seeds 0 --steps 8  # one quick pair
   python bench/learning_curve.py --environment real --seeds 0      # nemo-gym 0.7.0 with Chromium
+  # the aisle tasks (two dependent browser calls) in both sample modes, the recipe at no failures
+  python bench/learning_curve.py --suite aisle --sample-mode trajectory stepwise --rates 0 --arms recipe \\
+      --steps 40 --json bench/learning_curve_aisle.json --plot bench/learning_curve_aisle.png
 
 exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     )
@@ -272,8 +418,15 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--prompts-per-step", type=int, default=8, help="tasks per step (%(default)s)")
     parser.add_argument("--group-size", type=int, default=8, help="episodes per task, one GRPO group (%(default)s)")
     parser.add_argument("--lr", type=float, default=3e-4, help="actor learning rate (%(default)s)")
+    parser.add_argument("--suite", choices=SUITES, default="deal",
+                        help="the Corner Shop tasks: deal (observe, then finish) or aisle (observe, click the marked "
+                        "aisle, then finish) (default %(default)s)")  # fmt: skip
+    parser.add_argument("--sample-mode", nargs="+", choices=SAMPLE_MODES, default=["trajectory"],
+                        help="one sample per episode (trajectory) or per policy step (stepwise); each mode listed "
+                        "runs every arm, seed and rate (default: trajectory)")  # fmt: skip
     parser.add_argument("--model", type=Path, default=None,
-                        help="a policy folder (default: build the deal policy in --workdir)")  # fmt: skip
+                        help="a policy folder (default: the suite's shipped one, local/deal_policy or "
+                        "local/aisle_policy)")  # fmt: skip
     parser.add_argument("--engine", choices=sorted(ENGINES), default="hfcpu",
                         help="what serves the policy: hfcpu (local/cpu_backend, default) or vllm (verl's vLLM "
                         "rollout on vLLM's CPU build, .venv-vllm; the policy as its head_dim-32 copy)")  # fmt: skip
@@ -304,12 +457,20 @@ def main(argv: list[str] | None = None) -> int:
     print(header("learning curve: the recipe vs stock GRPO, browser calls failing"), flush=True)
 
     started = time.monotonic()
-    train_file, held_file = shop_tasks.SUITE_FILES["deal"]
-    train_rows = prepare_rows(train_file, args.workdir / "rows-train")
-    held_rows = prepare_rows(held_file, args.workdir / "rows-heldback")
-    val_train, train_ids = validation_rows(train_rows, "train", args.workdir / "val" / "train.jsonl", args.val_tasks)
-    val_held, held_ids = validation_rows(held_rows, "heldback", args.workdir / "val" / "heldback.jsonl", args.val_tasks)
-    model = args.model.resolve() if args.model else tr.deal_policy_folder(args.workdir)  # main_ppo runs elsewhere
+    train_file, held_file = shop_tasks.SUITE_FILES[args.suite]
+    rows_dir = args.workdir if args.suite == "deal" else args.workdir / args.suite
+    train_rows = prepare_rows(train_file, rows_dir / "rows-train")
+    held_rows = prepare_rows(held_file, rows_dir / "rows-heldback")
+    val_train, train_ids = validation_rows(
+        train_rows, "train", rows_dir / "val" / "train.jsonl", args.val_tasks, args.suite
+    )
+    val_held, held_ids = validation_rows(
+        held_rows, "heldback", rows_dir / "val" / "heldback.jsonl", args.val_tasks, args.suite
+    )
+    if args.model:
+        model = args.model.resolve()  # main_ppo runs elsewhere
+    else:
+        model = tr.aisle_policy_folder() if args.suite == "aisle" else tr.deal_policy_folder(args.workdir)
     if args.engine == "vllm":
         model = tr.vllm_servable(model, args.workdir)
     data = {"model": model, "train": train_rows, "val": (val_train, val_held), "val_ids": train_ids | held_ids}
@@ -317,29 +478,41 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[dict[str, Any]] = []
     settings = vars(args) | {"workdir": str(args.workdir), "model": str(model)}
+    plan = [
+        (mode, rate, seed, arm)
+        for mode in args.sample_mode
+        for rate in args.rates
+        for seed in args.seeds
+        for arm in args.arms
+        # with no failure the arms produce the same episodes (test_main_ppo_determinism)
+        if not (rate == 0 and arm == "stock" and "recipe" in args.arms and not args.stock_at_zero)
+    ]
     with tr.shop_environment(args.environment) as url:
-        for rate in args.rates:
-            for seed in args.seeds:
-                for arm in args.arms:
-                    if rate == 0 and arm == "stock" and "recipe" in args.arms and not args.stock_at_zero:
-                        continue  # with no failure the arms produce the same episodes (test_main_ppo_determinism)
-                    run = run_one(args, arm=arm, seed=seed, rate=rate, url=url, data=data)
-                    runs.append(run)
-                    first, last = min(run["evaluated"]), max(run["evaluated"])
-                    before, after = run["evaluated"][first], run["evaluated"][last]
-                    print(
-                        f"  {rate:.0%} {arm:<6} seed {seed}: {run['minutes']:.1f} min; held-back success "
-                        f"{before.get('heldback_success', float('nan')):.2f} -> "
-                        f"{after.get('heldback_success', float('nan')):.2f}, browsing "
-                        f"{before.get('train_browsed', float('nan')):.2f} -> "
-                        f"{after.get('train_browsed', float('nan')):.2f}",
-                        flush=True,
-                    )
-                    args.json.write_text(json.dumps({"settings": settings, "runs": runs}, indent=1, default=str) + "\n")
+        for mode, rate, seed, arm in plan:
+            run = run_one(args, arm=arm, seed=seed, rate=rate, url=url, data=data, mode=mode)
+            runs.append(run)
+            first, last = min(run["evaluated"]), max(run["evaluated"])
+            before, after = run["evaluated"][first], run["evaluated"][last]
+            costs = run["costs"]
+            print(
+                f"  {rate:.0%} {arm:<6} seed {seed}" + ("" if mode == "trajectory" else f" {mode}") + ": "
+                f"{run['minutes']:.1f} min; held-back success "
+                f"{before.get('heldback_success', float('nan')):.2f} -> "
+                f"{after.get('heldback_success', float('nan')):.2f}, browsing "
+                f"{before.get('train_browsed', float('nan')):.2f} -> "
+                f"{after.get('train_browsed', float('nan')):.2f}; tokens per sample "
+                f"{number_text(costs['tokens_per_sample_mean'], 0, 0)} (max "
+                f"{number_text(costs['tokens_per_sample_max'], 0, 0)})",
+                flush=True,
+            )
+            report = {"settings": settings, "runs": runs, "by_mode": by_mode(runs)}
+            args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print_summary(runs)
     total = (time.monotonic() - started) / 60
+    modes = "" if args.sample_mode == ["trajectory"] else f" ({' and '.join(args.sample_mode)} samples)"
     title = (
-        f"deal tasks, {args.steps} steps x {args.prompts_per_step} tasks x {args.group_size} episodes, lr {args.lr}, "
+        f"{args.suite} tasks{modes}, {args.steps} steps x {args.prompts_per_step} tasks x {args.group_size} episodes, "
+        f"lr {args.lr}, "
         f"seeds {' '.join(map(str, args.seeds))}, {args.fault_kind} at browser calls, {args.environment} "
         f"environment; {total:.0f} min in all"
     )

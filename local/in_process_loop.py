@@ -6,6 +6,7 @@ What it gives tests and benchmarks
     * :func:`load_tools`: the recipe's tool configs loaded by verl's ``initialize_tools_from_config``.
     * :func:`build_loop`: the agent loop instantiated from ``configs/agent_loop.yaml`` by ``hydra.utils.instantiate``
       with exactly the keyword arguments ``AgentLoopWorker._run_agent_loop`` passes (one loop per sample, as verl).
+    * :func:`run_episode`: one episode of a loop in either sample mode (:data:`SAMPLE_MODES`), as its samples.
     * :func:`make_row`: one dataset sample in the shape ``dataset.py`` produces.
     * :func:`save_tokenizer_and_config`: a model folder (tokenizer + tiny config) for verl's ``HFModelConfig``, so a
       real ``AgentLoopWorker`` can be built too.
@@ -34,18 +35,21 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..browser_tool import AGENT_LOOP_NAME
 from ..dataset import DEFAULT_DATA_SOURCE, EPISODE_TOOLS
+from ..settings import SAMPLE_MODES
 from .chat_tokenizer import save_tokenizer_and_config
 
 __all__ = [
     "AGENT_LOOP_YAML",
     "CONFIG_DIR",
     "NATIVE_TOOLS_YAML",
+    "SAMPLE_MODES",
     "SINGLE_TOOL_YAML",
     "agent_loop_entry",
     "build_loop",
     "compose_trainer_config",
     "load_tools",
     "make_row",
+    "run_episode",
     "save_tokenizer_and_config",
 ]
 
@@ -126,6 +130,17 @@ def build_loop(
         data_config=DictConfigWrap(config.data),
         tools=ToolListWrap(list(tools)),
     )
+
+
+async def run_episode(loop: Any, sampling: Mapping[str, Any], sample: Mapping[str, Any], sample_mode: str) -> list[Any]:
+    """One episode of a loop :func:`build_loop` made with ``stepwise.enabled`` matching ``sample_mode``: its one
+    sample, or its step samples (run with the keyword arguments verl's V1 worker passes, without which the loop
+    refuses step-wise mode). Each carries the episode's reward and flags."""
+    if sample_mode not in SAMPLE_MODES:
+        raise ValueError(f"sample mode must be one of {SAMPLE_MODES}, not {sample_mode!r}")
+    v1 = {"uid": f"episode-{sample.get('index', 0)}", "session_id": 0, "global_steps": 0}
+    outputs = await loop.run(dict(sampling), **sample, **(v1 if sample_mode == "stepwise" else {}))
+    return outputs if isinstance(outputs, list) else [outputs]
 
 
 def make_row(

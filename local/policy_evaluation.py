@@ -3,8 +3,9 @@ environment server.
 
 :func:`evaluate` serves the policy folder with an in-process ``hfcpu`` rollout server (:class:`PolicyServer`) and
 plays every sample through ``BrowserToolAgentLoop`` against the in-process environment server, per split and
-temperature; it also counts the turns that are one well-formed ``browser`` call (:func:`is_tool_call`). The
-environment server and the loop's shared HTTP clients are closed when it ends, however it ends.
+temperature, in either sample mode (step-wise: the policy sees that mode's bounded prompts); it also counts the
+turns that are one well-formed ``browser`` call (:func:`is_tool_call`). The environment server and the loop's
+shared HTTP clients are closed when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class EvaluationResult:
     generated_tokens_per_episode: float
     seconds: float
     episodes_played: list[tuple[str, float, int]] = field(default_factory=list)  # (task id, reward, browser calls)
+    sample_mode: str = "trajectory"
 
 
 async def evaluate(
@@ -104,16 +106,21 @@ async def evaluate(
     seed: int = 0,
     max_turn_tokens: int = MAX_TURN_TOKENS,
     max_assistant_turns: int = 8,
+    sample_mode: str = "trajectory",
 ) -> list[EvaluationResult]:
     """Success of the policy in ``model_dir`` on each split's samples, through the real loop, against the in-process
     environment server.
 
-    Sampled episodes (``temperature > 0``) run ``episodes_per_task`` times per task; greedy ones once.
+    Sampled episodes (``temperature > 0``) run ``episodes_per_task`` times per task; greedy ones once. In
+    ``stepwise`` mode an episode's tokens are those of all its step samples.
     """
     from ..browser_agent_loop import close_shared_clients
     from .environment_server.server import InProcessEnvironmentServer
-    from .in_process_loop import build_loop, compose_trainer_config, load_tools
+    from .in_process_loop import SAMPLE_MODES, build_loop, compose_trainer_config, load_tools, run_episode
 
+    if sample_mode not in SAMPLE_MODES:
+        raise ValueError(f"sample mode must be one of {SAMPLE_MODES}, not {sample_mode!r}")
+    stepwise = sample_mode == "stepwise"
     records = shop_tasks.records_by_id()
     config = compose_trainer_config(
         prompt_length=PROMPT_LENGTH,
@@ -140,11 +147,13 @@ async def evaluate(
                                 tools=tools,
                                 trainer_config=config,
                                 environment={"server_urls": [server.url]},
+                                stepwise={"enabled": stepwise},
                             )
-                            output = await loop.run(dict(sampling), **sample)
+                            outputs = await run_episode(loop, sampling, sample, sample_mode)
+                            output = outputs[-1]  # every step sample carries the episode's reward and flags
                             kind = records[sample["extra_info"]["task_id"]]["kind"]
                             rewards.setdefault(kind, []).append(output.reward_score or 0.0)
-                            tokens.append(len(output.prompt_ids) + len(output.response_ids))
+                            tokens.append(sum(len(o.prompt_ids) + len(o.response_ids) for o in outputs))
                             actions = int(output.extra_fields.get("env_browser_actions", 0))
                             browsed.append(actions > 0)
                             played.append((sample["extra_info"]["task_id"], output.reward_score or 0.0, actions))
@@ -163,6 +172,7 @@ async def evaluate(
                             generated_tokens_per_episode=generated / len(every),
                             seconds=time.monotonic() - started,
                             episodes_played=played,
+                            sample_mode=sample_mode,
                         )
                     )
                     logger.info("evaluated %s", results[-1])

@@ -20,6 +20,7 @@ from .shop_scripts import DONE_ANSWER, call
 # The loop renders observations of up to 8192 characters; the shop's are ~150-350, so episodes stay short.
 PROMPT_LENGTH = 2048
 RESPONSE_LENGTH = 4096
+VOCABULARY_SUITES = ("lookup", "deal")
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ def corpus_lines() -> list[str]:
     from ..task_rows import SYSTEM_PROMPT_BROWSER, USER_PROMPT
 
     lines = SYSTEM_PROMPT_BROWSER.splitlines()
-    for record in shop_tasks.records_by_id().values():
+    # The text the shipped policies' vocabulary was trained on: a suite added since (aisle) is written in its words,
+    # and must not change it (the tokenizer is rebuilt from this corpus, not read from a policy folder).
+    for record in (r for suite in VOCABULARY_SUITES for r in shop_tasks.task_records(suite=suite)):
         lines.append(USER_PROMPT.format(question=record["ques"], site=record["web_name"], url=record["web"]))
     site = shop_tasks.in_process_site()
     for url in site.urls:

@@ -30,10 +30,13 @@ from typing import Any
 from verl.workers.rollout.replica import TokenOutput
 
 from ..browser_calls import SINGLE_TOOL_NAME
+from ..stepwise import STEP_HISTORY_HEADER
 from .chat_tokenizer import IM_END, IM_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
 # One element line of a NeMo Gym observation: "  [12] a: About us".
 _ELEMENT_LINE = re.compile(r"^\s*\[(\d+)\]\s*([^:]*):\s*(.*)$")
+# A step-wise prompt's history line, which counts the policy steps its bounded prompt no longer shows whole.
+_STEP_HISTORY = re.compile(re.escape(STEP_HISTORY_HEADER).replace(re.escape("{steps}"), r"(\d+)"))
 
 
 class PolicyView:
@@ -76,6 +79,15 @@ class PolicyView:
     def turn(self) -> int:
         """Assistant turns already in the conversation (0 on the first generation)."""
         return max(sum(role == "assistant" for role, _, _ in self._turns) - 1, 0)
+
+    @functools.cached_property
+    def step(self) -> int:
+        """Policy steps already taken in the episode (0 on the first generation), in either sample mode: a
+        step-wise prompt holds only the latest steps, so there the count is read from its history line (the user
+        message after the task's)."""
+        users = [(start, end) for role, start, end in self._turns if role == "user"]
+        match = _STEP_HISTORY.match(self._decode(*users[1])) if len(users) > 1 else None
+        return int(match.group(1)) if match else self.turn
 
     @functools.cached_property
     def task(self) -> str:
@@ -179,10 +191,11 @@ def type_into(pattern: str, text: str, *, use_native: bool = False, missing_id: 
 
 
 def steps(*sequence: Step, then: str = "I am done.") -> Script:
-    """A script that plays ``sequence`` one step per assistant turn, then ends the episode with plain text."""
+    """A script that plays ``sequence`` one step per policy step (:attr:`PolicyView.step`, so in either sample
+    mode), then ends the episode with plain text."""
 
     def script(view: PolicyView) -> str:
-        return sequence[view.turn](view) if view.turn < len(sequence) else then
+        return sequence[view.step](view) if view.step < len(sequence) else then
 
     return script
 

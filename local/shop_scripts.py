@@ -1,10 +1,10 @@
 """The Corner Shop's scripted player: the demonstrations that solve its tasks, or act in the right format and pick
 wrongly some of the time.
 
-:func:`script_for` (lookup tasks) and :func:`deal_script` (deal tasks) turn a task record of :mod:`.shop_tasks`
-into a :mod:`~nemo_gym_browser.local.scripted_policy` script that reads each observation it is shown and writes
-the recipe's ``browser`` tool calls (:func:`call`); a :class:`Chooser` decides how often it picks the element the
-task names. Deterministic for a given ``Chooser`` rng and sequence of observations.
+:func:`script_for` (lookup tasks), :func:`deal_script` (deal tasks) and :func:`aisle_script` (aisle tasks) turn a
+task record of :mod:`.shop_tasks` into a :mod:`~nemo_gym_browser.local.scripted_policy` script that reads each
+observation it is shown and writes the recipe's ``browser`` tool calls (:func:`call`); a :class:`Chooser` decides
+how often it picks the element the task names. Deterministic for a given ``Chooser`` rng and sequence of observations.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from ..browser_calls import SINGLE_TOOL_NAME
 from . import scripted_policy as sp
-from .shop_tasks import CATEGORIES, HELD_BACK_ITEMS, SALE_MARK, SEARCH_LABEL, deal_names, items
+from .shop_tasks import AISLES, CATEGORIES, DEAL_MARK, HELD_BACK_ITEMS, SALE_MARK, SEARCH_LABEL, deal_names, items
 
 # The answer the demonstrations give when the task asks for no value; graders of those kinds ignore it.
 DONE_ANSWER = "done"
@@ -134,6 +134,20 @@ def _finish_with_sale(chooser: Chooser) -> sp.Step:
     return step
 
 
+def _click_marked_aisle(chooser: Chooser) -> sp.Step:
+    def step(view: sp.PolicyView) -> str:
+        listed = [(eid, name) for eid, tag, name in elements(view.last_observation) if tag == "a"]
+        aisles = {name.removesuffix(DEAL_MARK).strip(): eid for eid, name in listed if name != "Home"}
+        marked = [name.removesuffix(DEAL_MARK).strip() for _, name in listed if name.endswith(DEAL_MARK)]
+        plausible = [aisle for aisle in AISLES if aisle in aisles]
+        if not plausible:
+            return call("click", element_id=MISSING_ELEMENT_ID)
+        choice = chooser.pick(marked[0], plausible) if marked else chooser.rng.choice(plausible)
+        return call("click", element_id=aisles[choice])
+
+    return step
+
+
 def deal_script(record: Mapping[str, Any], chooser: Chooser, guess: float) -> sp.Script:
     """A deal task's play: with probability ``guess`` answer at once from memory (a fruit drawn uniformly: right one
     time in four), never touching the browser; otherwise observe the board and answer with the fruit ``chooser``
@@ -143,12 +157,24 @@ def deal_script(record: Mapping[str, Any], chooser: Chooser, guess: float) -> sp
     return sp.steps(sp.say(call("observe")), _finish_with_sale(chooser))
 
 
+def aisle_script(record: Mapping[str, Any], chooser: Chooser, guess: float) -> sp.Script:
+    """An aisle task's play: with probability ``guess`` answer at once from memory (right one time in four), never
+    touching the browser; otherwise observe the aisles, click the one ``chooser`` picks (the marked one with its
+    probability ``correct``, else one drawn uniformly) and answer with the fruit its stand marks on sale (picked
+    the same way)."""
+    if chooser.rng.random() < guess:
+        return sp.steps(sp.say(_answer(chooser.rng.choice(deal_names()))))
+    return sp.steps(sp.say(call("observe")), _click_marked_aisle(chooser), _finish_with_sale(chooser))
+
+
 def script_for(record: Mapping[str, Any], chooser: Chooser | None = None, *, wrong_answer: bool = False) -> sp.Script:
     """The scripted policy's play for one task record: the shortest solution when ``chooser`` always picks the
     named element; ``wrong_answer`` finishes a ``price`` task with a price that is not the item's."""
     chooser = chooser if chooser is not None else Chooser()
     if record["kind"] == "deal":
         return deal_script(record, chooser, guess=0.0)
+    if record["kind"] == "aisle":
+        return aisle_script(record, chooser, guess=0.0)
     kind, item = record["kind"], next(entry for entry in items() if entry.name == record["item"])
     finish: sp.Step = sp.say(call("finish", answer=DONE_ANSWER))
     if kind == "open":

@@ -32,6 +32,10 @@ The tasks
     is held back, so the 24 held-back tasks target items no training task targets. The held-back items are on the
     pages of training episodes only as other links; their prices all occur among the training items' prices.
 
+    Two more suites ask which fruit is on sale: ``deal`` on a board that marks it (one browser call: observe, then
+    finish), and ``aisle``, where the start page marks the aisle whose board has the deal (two dependent calls:
+    observe, click the marked aisle, then finish with the fruit its board marks). See :data:`SUITES`.
+
 Why a fixed port
     A task's start URL is absolute (``http://127.0.0.1:8765/shop/...``), so one task file serves the real server,
     the in-process server and a training run alike, and the prompts and observations a policy sees are the same in all
@@ -70,13 +74,17 @@ TRAIN_FILE = EXAMPLES_DIR / "shop_tasks_train.jsonl"
 HELD_BACK_FILE = EXAMPLES_DIR / "shop_tasks_heldback.jsonl"
 DEAL_TRAIN_FILE = EXAMPLES_DIR / "deal_tasks_train.jsonl"
 DEAL_HELD_BACK_FILE = EXAMPLES_DIR / "deal_tasks_heldback.jsonl"
+AISLE_TRAIN_FILE = EXAMPLES_DIR / "aisle_tasks_train.jsonl"
+AISLE_HELD_BACK_FILE = EXAMPLES_DIR / "aisle_tasks_heldback.jsonl"
 KINDS = ("open", "browse", "search", "price")
-# The two suites: lookup (act on the element whose text the task names; out of reach of the tiny policy) and deal
-# (name the item marked on sale: learnable by pointing at the mark, or guessable from memory one time in four).
-SUITES = ("lookup", "deal")
+# The suites: lookup (act on the element whose text the task names; out of reach of the tiny policy), deal (name the
+# item marked on sale: learnable by pointing at the mark, or guessable from memory one time in four) and aisle (the
+# same answer two dependent browser calls away: point at the marked aisle's link, then at its board's mark).
+SUITES = ("lookup", "deal", "aisle")
 SUITE_FILES: Mapping[str, tuple[Path, Path]] = {
     "lookup": (TRAIN_FILE, HELD_BACK_FILE),
     "deal": (DEAL_TRAIN_FILE, DEAL_HELD_BACK_FILE),
+    "aisle": (AISLE_TRAIN_FILE, AISLE_HELD_BACK_FILE),
 }
 # Deal boards list the fruit, one marked on sale; one page (deals.html?board=N) draws board N with a script. Every
 # DEAL_HELD_BACK_EVERY-th board is held back (both splits' start URLs have numbers of the same shape). Each fruit is
@@ -87,6 +95,18 @@ DEAL_TASKS_PER_FRUIT = {"train": 240, "heldback": 60}
 DEAL_HELD_BACK_EVERY = 5
 DEAL_PAGE = "deals.html"
 SALE_MARK = "(sale)"
+# Aisle days: the start page (aisles.html?day=N) lists four aisles in an order drawn from N and marks the one whose
+# stand has the fruit deal; each aisle's stand (aisle.html?day=N&aisle=SLUG) is a deal board, and the four stands of a
+# day put four different fruit on sale, so following any other aisle gives a wrong answer. Split, balance and page
+# scripts as for the deal boards; every item name is one token of the policy's vocabulary, and so is each aisle's.
+AISLES = ("Tools", "Books", "Toys", "Garden")
+AISLE_TASKS_PER_FRUIT = DEAL_TASKS_PER_FRUIT
+AISLE_HELD_BACK_EVERY = DEAL_HELD_BACK_EVERY
+AISLES_PAGE = "aisles.html"
+AISLE_PAGE = "aisle.html"
+# Its word shares no token with the aisle names, the pages' text, the question or the sale mark: the policy points at
+# the mark, so nothing else should look like it.
+DEAL_MARK = "(deal)"
 
 
 @dataclass(frozen=True)
@@ -211,29 +231,108 @@ def _board_hash(number: int) -> int:
     return (number * 1103515245 + 12345) % 2**31
 
 
+def _permutation(names: Sequence[str], rank: int) -> tuple[str, ...]:
+    """The ``rank``-th (0..23) order of four names (factorial number system), as the pages' scripts compute it."""
+    pool, order = list(names), []
+    for size in (6, 2, 1, 1):
+        order.append(pool.pop(rank // size))
+        rank %= size
+    return tuple(order)
+
+
+# The same permutation in the pages' scripts.
+_PERMUTATION_JS = [
+    "  function permutation(names, rank) {",
+    "    const pool = names.slice(), order = [];",
+    "    for (const size of [6, 2, 1, 1]) {",
+    "      order.push(pool.splice(Math.floor(rank / size), 1)[0]);",
+    "      rank %= size;",
+    "    }",
+    "    return order;",
+    "  }",
+]
+
+
 def deal_board(number: int) -> DealBoard:
     """Board ``number`` as ``deals.html``'s script draws it: order and sale from a hash of the number (so neither
     follows from its last digits), the order as the ``k``-th permutation (factorial number system)."""
     h = _board_hash(number)
-    rank, pool, order = (h >> 8) % 24, deal_names(), []
-    for size in (6, 2, 1, 1):
-        order.append(pool.pop(rank // size))
-        rank %= size
-    return DealBoard(number, tuple(order), deal_names()[(h >> 16) % 4])
+    return DealBoard(number, _permutation(deal_names(), (h >> 8) % 24), deal_names()[(h >> 16) % 4])
 
 
 def deal_boards() -> list[DealBoard]:
     """The boards of the task files: the first boards of each split, until every fruit is on sale on
     :data:`DEAL_TASKS_PER_FRUIT` of them."""
-    counts = {split: dict.fromkeys(deal_names(), 0) for split in DEAL_TASKS_PER_FRUIT}
-    boards, number = [], 0
-    while any(n < DEAL_TASKS_PER_FRUIT[split] for split, per in counts.items() for n in per.values()):
-        board = deal_board(number)
-        if counts[board.split][board.sale] < DEAL_TASKS_PER_FRUIT[board.split]:
-            counts[board.split][board.sale] += 1
-            boards.append(board)
+    return _balanced(deal_board, DEAL_TASKS_PER_FRUIT)
+
+
+def _balanced(draw: Any, per_fruit: Mapping[str, int]) -> list[Any]:
+    """``draw(0)``, ``draw(1)``, ... kept while their answer (``.sale``) is still short of ``per_fruit`` in their
+    split (``.split``), until every fruit is the answer ``per_fruit[split]`` times in each split."""
+    counts = {split: dict.fromkeys(deal_names(), 0) for split in per_fruit}
+    kept, number = [], 0
+    while any(n < per_fruit[split] for split, per in counts.items() for n in per.values()):
+        drawn = draw(number)
+        if counts[drawn.split][drawn.sale] < per_fruit[drawn.split]:
+            counts[drawn.split][drawn.sale] += 1
+            kept.append(drawn)
         number += 1
-    return boards
+    return kept
+
+
+@dataclass(frozen=True)
+class AisleDay:
+    """Day ``number`` of the aisle suite (:func:`aisle_day`): the aisles in one of their 24 orders, the one with the
+    deal, and the fruit on sale at each aisle's stand (four different ones)."""
+
+    number: int
+    order: tuple[str, ...]
+    deal_aisle: str
+    sales: Mapping[str, str]  # aisle -> the fruit its stand marks on sale
+
+    @property
+    def file(self) -> str:
+        return f"{AISLES_PAGE}?day={self.number}"
+
+    @property
+    def sale(self) -> str:
+        """The answer: the fruit on sale at the aisle the start page marks."""
+        return self.sales[self.deal_aisle]
+
+    @property
+    def split(self) -> str:
+        return "heldback" if self.number % AISLE_HELD_BACK_EVERY == AISLE_HELD_BACK_EVERY - 1 else "train"
+
+    def label(self, aisle: str) -> str:
+        return f"{aisle} {DEAL_MARK}" if aisle == self.deal_aisle else aisle
+
+    def stand_file(self, aisle: str) -> str:
+        return f"{AISLE_PAGE}?day={self.number}&aisle={aisle.lower()}"
+
+    def stand(self, aisle: str) -> DealBoard:
+        """The deal board of ``aisle``'s stand (its ``number`` is the day's)."""
+        index = AISLES.index(aisle)
+        order = _permutation(deal_names(), (_board_hash(4 * self.number + index) >> 8) % 24)
+        return DealBoard(self.number, order, self.sales[aisle])
+
+
+def aisle_day(number: int) -> AisleDay:
+    """Day ``number`` as ``aisles.html`` and ``aisle.html`` draw it, from a hash of the number: the aisles' order,
+    the marked aisle, and which fruit each aisle's stand has on sale (one permutation of the four)."""
+    h = _board_hash(number)
+    sales = _permutation(deal_names(), (h >> 20) % 24)
+    return AisleDay(
+        number,
+        _permutation(AISLES, (h >> 8) % 24),
+        AISLES[(h >> 16) % 4],
+        dict(zip(AISLES, sales, strict=True)),
+    )
+
+
+def aisle_days() -> list[AisleDay]:
+    """The days of the task files: the first days of each split, until every fruit is the answer of
+    :data:`AISLE_TASKS_PER_FRUIT` of them."""
+    return _balanced(aisle_day, AISLE_TASKS_PER_FRUIT)
 
 
 def _deals_script() -> list[str]:
@@ -260,6 +359,61 @@ def _deals_script() -> list[str]:
         "    }",
         "  } else {",
         f'    document.getElementById("summary").textContent = "{_NO_BOARD}";',
+        "  }",
+        "</script>",
+    ]
+
+
+_AISLES_TITLE = "Aisles"
+_AISLES_TEXT = "One aisle has the fruit on sale."
+_NO_DAY = "No such day."
+_NO_AISLE = "No such aisle."
+_NUMBER_PATTERN = "[0-9]{1,6}"
+
+
+def _aisles_script() -> list[str]:
+    return [
+        "<script>",
+        f"  const aisles = {json.dumps(list(AISLES))};",
+        *_PERMUTATION_JS,
+        '  const raw = new URLSearchParams(location.search).get("day") || "";',
+        f"  if (/^{_NUMBER_PATTERN}$/.test(raw)) {{",
+        "    const day = Number(raw), h = (day * 1103515245 + 12345) % 2147483648;",
+        '    const marked = aisles[Math.floor(h / 65536) % 4], list = document.getElementById("aisles");',
+        "    for (const name of permutation(aisles, Math.floor(h / 256) % 24)) {",
+        '      const entry = document.createElement("li"), anchor = document.createElement("a");',
+        f'      anchor.href = "{AISLE_PAGE}?day=" + day + "&aisle=" + name.toLowerCase();',
+        f'      anchor.textContent = name === marked ? name + " {DEAL_MARK}" : name;',
+        "      entry.append(anchor);",
+        "      list.append(entry);",
+        "    }",
+        "  } else {",
+        f'    document.getElementById("summary").textContent = "{_NO_DAY}";',
+        "  }",
+        "</script>",
+    ]
+
+
+def _aisle_script() -> list[str]:
+    return [
+        "<script>",
+        f"  const names = {json.dumps(deal_names())}, aisles = {json.dumps([a.lower() for a in AISLES])};",
+        *_PERMUTATION_JS,
+        "  const query = new URLSearchParams(location.search);",
+        '  const raw = query.get("day") || "", index = aisles.indexOf(query.get("aisle") || "");',
+        f"  if (/^{_NUMBER_PATTERN}$/.test(raw) && index >= 0) {{",
+        "    const day = Number(raw), hash = (n) => (n * 1103515245 + 12345) % 2147483648;",
+        "    const sale = permutation(names, Math.floor(hash(day) / 1048576) % 24)[index];",
+        '    const board = document.getElementById("board");',
+        "    for (const name of permutation(names, Math.floor(hash(4 * day + index) / 256) % 24)) {",
+        '      const entry = document.createElement("li"), anchor = document.createElement("a");',
+        '      anchor.href = name.toLowerCase() + ".html";',
+        f'      anchor.textContent = name === sale ? name + " {SALE_MARK}" : name;',
+        "      entry.append(anchor);",
+        "      board.append(entry);",
+        "    }",
+        "  } else {",
+        f'    document.getElementById("summary").textContent = "{_NO_AISLE}";',
         "  }",
         "</script>",
     ]
@@ -316,6 +470,26 @@ def render_pages() -> dict[str, str]:
             *_deals_script(),
         ],
     )
+    pages[AISLES_PAGE] = _document(
+        _AISLES_TITLE,
+        [
+            f"<h1>{_AISLES_TITLE}</h1>",
+            f'<p id="summary">{_AISLES_TEXT}</p>',
+            '<ul id="aisles"></ul>',
+            f'<p><a href="index.html">{_HOME}</a></p>',
+            *_aisles_script(),
+        ],
+    )
+    pages[AISLE_PAGE] = _document(
+        _DEALS_TITLE,
+        [
+            f"<h1>{_DEALS_TITLE}</h1>",
+            f'<p id="summary">{_DEAL_TEXT}</p>',
+            '<ul id="board"></ul>',
+            f'<p><a href="index.html">{_HOME}</a></p>',
+            *_aisle_script(),
+        ],
+    )
     return pages
 
 
@@ -328,16 +502,47 @@ def _submit_search(page: PageState) -> str:
 
 
 def _deals_page(raw: str) -> Page:
-    home = link(_HOME, "index.html")
-    if not re.fullmatch(r"[0-9]{1,6}", raw):
-        return Page(title=_DEALS_TITLE, text=f"{_DEALS_TITLE}\n{_NO_BOARD}\n{_HOME}", elements=(home,))
-    board = deal_board(int(raw))
+    if not re.fullmatch(_NUMBER_PATTERN, raw):
+        return _missing(_DEALS_TITLE, _NO_BOARD)
+    return _board_page(deal_board(int(raw)))
+
+
+def _missing(title: str, message: str) -> Page:
+    return Page(title=title, text=f"{title}\n{message}\n{_HOME}", elements=(link(_HOME, "index.html"),))
+
+
+def _board_page(board: DealBoard) -> Page:
     labels = [board.label(name) for name in board.order]
     return Page(
         title=_DEALS_TITLE,
         text="\n".join([_DEALS_TITLE, _DEAL_TEXT, *labels, _HOME]),
-        elements=(*(link(board.label(name), f"{name.lower()}.html") for name in board.order), home),
+        elements=(
+            *(link(board.label(name), f"{name.lower()}.html") for name in board.order),
+            link(_HOME, "index.html"),
+        ),
     )
+
+
+def _aisles_page(raw: str) -> Page:
+    if not re.fullmatch(_NUMBER_PATTERN, raw):
+        return _missing(_AISLES_TITLE, _NO_DAY)
+    day = aisle_day(int(raw))
+    labels = [day.label(aisle) for aisle in day.order]
+    return Page(
+        title=_AISLES_TITLE,
+        text="\n".join([_AISLES_TITLE, _AISLES_TEXT, *labels, _HOME]),
+        elements=(
+            *(link(day.label(aisle), day.stand_file(aisle)) for aisle in day.order),
+            link(_HOME, "index.html"),
+        ),
+    )
+
+
+def _aisle_page(raw: str, slug: str) -> Page:
+    by_slug = {aisle.lower(): aisle for aisle in AISLES}
+    if not re.fullmatch(_NUMBER_PATTERN, raw) or slug not in by_slug:
+        return _missing(_DEALS_TITLE, _NO_AISLE)
+    return _board_page(aisle_day(int(raw)).stand(by_slug[slug]))
 
 
 def _search_page(query: str) -> Page:
@@ -362,14 +567,21 @@ class ShopSite(Site):
         super().__init__(pages, **kwargs)
         self._search = page_url("search.html", origin)
         self._deals = page_url(DEAL_PAGE, origin)
+        self._aisles = page_url(AISLES_PAGE, origin)
+        self._aisle = page_url(AISLE_PAGE, origin)
 
     def page(self, url: str) -> Page | None:
         parts = urlsplit(url.partition("#")[0])
         where = f"{parts.scheme}://{parts.netloc}{parts.path}"
         if where == self._search:
             return _search_page(parse_qs(parts.query).get("q", [""])[0])
+        query = parse_qs(parts.query)
         if where == self._deals:
-            return _deals_page(parse_qs(parts.query).get("board", [""])[0])
+            return _deals_page(query.get("board", [""])[0])
+        if where == self._aisles:
+            return _aisles_page(query.get("day", [""])[0])
+        if where == self._aisle:
+            return _aisle_page(query.get("day", [""])[0], query.get("aisle", [""])[0])
         return super().page(url)
 
 
@@ -472,10 +684,26 @@ def _deal_task(board: DealBoard, origin: str) -> dict[str, Any]:
     }
 
 
+AISLE_QUESTION = "Which fruit is on sale today? Open the aisle that has it, then answer with the fruit's name."
+
+
+def _aisle_task(day: AisleDay, origin: str) -> dict[str, Any]:
+    return {
+        "web_name": SITE_NAME,
+        "id": f"shop--aisle-{day.number}",
+        "ques": AISLE_QUESTION,
+        "web": page_url(day.file, origin),
+        "verifier_metadata": {"answer_equals": day.sale},
+        "kind": "aisle",
+        "item": day.sale,
+        "split": day.split,
+    }
+
+
 def task_records(split: str | None = None, origin: str = SHOP_ORIGIN, *, suite: str = "lookup") -> list[dict[str, Any]]:
     """The tasks of ``suite`` (all, or those of ``split``: ``train`` or ``heldback``).
 
-    ``lookup``: ordered by kind, then catalogue order. ``deal``: by board number.
+    ``lookup``: ordered by kind, then catalogue order. ``deal``: by board number. ``aisle``: by day number.
     """
     if split not in (None, "train", "heldback"):
         raise ValueError(f"split must be 'train', 'heldback' or None, got {split!r}")
@@ -483,6 +711,8 @@ def task_records(split: str | None = None, origin: str = SHOP_ORIGIN, *, suite: 
         records = [_task(kind, item, origin) for kind in KINDS for item in items()]
     elif suite == "deal":
         records = [_deal_task(board, origin) for board in deal_boards()]
+    elif suite == "aisle":
+        records = [_aisle_task(day, origin) for day in aisle_days()]
     else:
         raise ValueError(f"unknown suite {suite!r}; known: {SUITES}")
     return [record for record in records if split is None or record["split"] == split]

@@ -4,7 +4,8 @@
 (:mod:`.warm_start`) and writes a model folder that verl's ``HFModelConfig`` and transformers'
 ``AutoModelForCausalLM`` load: ``config.json``, weights, tokenizer files and :data:`REPORT_FILE` with the
 settings and measurements. :func:`build_deal` builds the deal policy in two phases (shipped as
-:data:`DEAL_POLICY_DIR`). ``evaluate`` measures a folder with :mod:`.policy_evaluation`.
+:data:`DEAL_POLICY_DIR`), :func:`build_aisle` the aisle policy from it (shipped as :data:`AISLE_POLICY_DIR`).
+``evaluate`` measures a folder with :mod:`.policy_evaluation`.
 
 Deterministic for a seed and a thread count; CPU only, no network, everything stays in the output folder.
 """
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from transformers import Qwen2ForCausalLM
 
+from ..settings import SAMPLE_MODES
 from . import shop_tasks
 from .policy_evaluation import evaluate
 from .policy_model import ModelSpec, build_model, parameter_count, policy_tokenizer
@@ -45,6 +47,20 @@ DEAL_MIXED = WarmStartSpec(correct=1.0, guess=0.75, demos_per_task=1, steps=200,
                            warmup_steps=20, seed=1)  # fmt: skip
 DEAL_POLICY_DIR = Path(__file__).resolve().parent / "deal_policy"
 
+# The aisle tasks' policy (build_aisle; shipped as AISLE_POLICY_DIR), continued from the deal policy, which already
+# names the fruit a board marks: solver demonstrations (observe, click the aisle marked (deal), name the fruit its
+# stand marks) until pointing at the marked aisle's link is in its repertoire too, then demonstrations of which four
+# in five answer at once from memory. The first phase plays one sample per episode (three turns a sample: the most
+# to learn from per token); the second plays every task in both sample modes, so the policy has seen the prompts of
+# either (a step-wise prompt shows only the latest observation).
+AISLE_SOLVER = WarmStartSpec(correct=1.0, guess=0.0, demos_per_task=1, steps=600, batch_size=32, lr=3e-3,
+                             warmup_steps=50)  # fmt: skip
+AISLE_MIXED = WarmStartSpec(correct=1.0, guess=0.8, demos_per_task=1, steps=300, batch_size=32, lr=1e-3,
+                            warmup_steps=20, seed=1)  # fmt: skip
+AISLE_SOLVER_MODES = ("trajectory",)
+AISLE_MIXED_MODES = SAMPLE_MODES
+AISLE_POLICY_DIR = Path(__file__).resolve().parent / "aisle_policy"
+
 
 @dataclass
 class WarmStartReport:
@@ -59,6 +75,7 @@ class WarmStartReport:
     train_seconds: float
     losses: list[float] = field(default_factory=list)
     start_from: dict[str, Any] | None = None  # the report of the folder this one continued from, losses left out
+    sample_modes: list[str] = field(default_factory=lambda: ["trajectory"])  # how the demonstrations were played
 
 
 def build(
@@ -68,11 +85,13 @@ def build(
     warm: WarmStartSpec = WarmStartSpec(),  # noqa: B008 (frozen)
     task_file: Path = shop_tasks.TRAIN_FILE,
     start_from: Path | None = None,
+    sample_modes: Sequence[str] = ("trajectory",),
 ) -> WarmStartReport:
     """Build the tokenizer and the model, warm-start it on demonstrations of ``task_file``'s tasks, save the folder.
 
     ``start_from``: continue from the weights of a folder this function wrote (same tokenizer) instead of a new
-    model; ``model_spec`` is then that folder's.
+    model; ``model_spec`` is then that folder's. ``sample_modes``: play each task in each of these modes
+    (``settings.SAMPLE_MODES``).
     """
     output_dir = Path(output_dir)
     tokenizer = policy_tokenizer()
@@ -94,6 +113,7 @@ def build(
                 per_task=warm.demos_per_task,
                 seed=warm.seed,
                 guess=warm.guess,
+                sample_modes=sample_modes,
             )
         )
     demo_seconds = time.monotonic() - started
@@ -117,6 +137,7 @@ def build(
         train_seconds=round(train_seconds, 2),
         losses=[round(loss, 4) for loss in losses],
         start_from=_summary(start_from) if start_from is not None else None,
+        sample_modes=list(sample_modes),
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir)
@@ -153,6 +174,30 @@ def build_deal(output_dir: Path, *, seed: int = 0, solver_dir: Path | None = Non
     )
 
 
+def build_aisle(output_dir: Path, *, seed: int = 0, solver_dir: Path | None = None) -> WarmStartReport:
+    """The aisle policy: :data:`AISLE_SOLVER` from the deal policy's weights into ``solver_dir`` (default:
+    ``output_dir`` with ``-solver`` appended; kept, and reused when it is already there), then :data:`AISLE_MIXED`
+    from its weights into ``output_dir``, in :data:`AISLE_SOLVER_MODES` and :data:`AISLE_MIXED_MODES`. Seeds are
+    offset by ``seed``."""
+    output_dir = Path(output_dir)
+    solver_dir = Path(solver_dir) if solver_dir is not None else output_dir.with_name(output_dir.name + "-solver")
+    if not (solver_dir / REPORT_FILE).exists():
+        build(
+            solver_dir,
+            warm=replace(AISLE_SOLVER, seed=AISLE_SOLVER.seed + seed),
+            task_file=shop_tasks.AISLE_TRAIN_FILE,
+            start_from=DEAL_POLICY_DIR,
+            sample_modes=AISLE_SOLVER_MODES,
+        )
+    return build(
+        output_dir,
+        warm=replace(AISLE_MIXED, seed=AISLE_MIXED.seed + seed),
+        task_file=shop_tasks.AISLE_TRAIN_FILE,
+        start_from=solver_dir,
+        sample_modes=AISLE_MIXED_MODES,
+    )
+
+
 _EPILOG = f"""\
 examples:
   # the default policy, then its success rates on the training and the held-back tasks
@@ -168,6 +213,11 @@ examples:
   # the deal policy (shipped as local/deal_policy/; about 15 minutes), and how it does on the deal tasks
   python -m nemo_gym_browser.local.tiny_policy --threads 2 build-deal --output /tmp/deal-policy
   python -m nemo_gym_browser.local.tiny_policy evaluate --suite deal --model local/deal_policy --limit 96
+
+  # the aisle policy (shipped as local/aisle_policy/; continues from local/deal_policy), on held-back aisle days
+  python -m nemo_gym_browser.local.tiny_policy --threads 2 build-aisle --output /tmp/aisle-policy
+  python -m nemo_gym_browser.local.tiny_policy evaluate --suite aisle --model local/aisle_policy --split heldback \\
+      --temperature 1 --episodes-per-task 2
 
 what build writes to --output:
   config.json, model.safetensors, generation_config.json and the tokenizer files (chat template included): a
@@ -199,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress and debug logging")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{build,build-deal,evaluate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{build,build-deal,build-aisle,evaluate}")
 
     build_cmd = commands.add_parser("build", help="build and warm-start a policy folder", epilog=_EPILOG,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -211,8 +261,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     build_cmd.add_argument(
         "--suite", choices=shop_tasks.SUITES, default="lookup",
-        help="the training tasks to demonstrate: lookup (act on the element the task names) or deal (name the item "
-        "marked on sale; answered at once from memory by a --guess share of demonstrations) (default %(default)s)",
+        help="the training tasks to demonstrate: lookup (act on the element the task names), deal (name the item "
+        "marked on sale; answered at once from memory by a --guess share of demonstrations) or aisle (the same, "
+        "after clicking the aisle the start page marks) (default %(default)s)",
     )  # fmt: skip
     model = build_cmd.add_argument_group("model")
     model.add_argument("--hidden-size", type=int, default=defaults.hidden_size, help="default %(default)s")
@@ -238,6 +289,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=warm.batch_size, help="episodes per step (%(default)s)")
     train.add_argument("--lr", type=float, default=warm.lr, help="peak learning rate (default %(default)s)")
     train.add_argument("--warmup-steps", type=int, default=warm.warmup_steps, help="default %(default)s")
+    train.add_argument(
+        "--sample-mode", nargs="+", choices=SAMPLE_MODES, default=["trajectory"],
+        help="play every task in each of these modes: one sample per episode (trajectory) or per policy step "
+        "(stepwise) (default: trajectory)",
+    )  # fmt: skip
 
     deal_cmd = commands.add_parser(
         "build-deal", help="build the deal policy: solver demonstrations, then both routes (DEAL_SOLVER, DEAL_MIXED)",
@@ -246,6 +302,17 @@ def _parser() -> argparse.ArgumentParser:
     deal_cmd.add_argument("--output", type=Path, required=True, metavar="DIR", help="the model folder to write")
     deal_cmd.add_argument("--seed", type=int, default=0, help="added to both phases' seeds (default 0)")
     deal_cmd.add_argument(
+        "--solver", type=Path, metavar="DIR",
+        help="where the first phase's policy goes (default: --output with -solver appended); reused if present",
+    )  # fmt: skip
+
+    aisle_cmd = commands.add_parser(
+        "build-aisle", help="build the aisle policy from the deal policy: solver demonstrations, then both routes "
+        "(AISLE_SOLVER, AISLE_MIXED)", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    aisle_cmd.add_argument("--output", type=Path, required=True, metavar="DIR", help="the model folder to write")
+    aisle_cmd.add_argument("--seed", type=int, default=0, help="added to both phases' seeds (default 0)")
+    aisle_cmd.add_argument(
         "--solver", type=Path, metavar="DIR",
         help="where the first phase's policy goes (default: --output with -solver appended); reused if present",
     )  # fmt: skip
@@ -266,6 +333,9 @@ def _parser() -> argparse.ArgumentParser:
                               help="which task file(s), repeatable (default: both)")  # fmt: skip
     evaluate_cmd.add_argument("--limit", type=int, default=None, help="the first N tasks of each kind per split")
     evaluate_cmd.add_argument("--seed", type=int, default=0, help="the rollout server's sampling seed")
+    evaluate_cmd.add_argument("--sample-mode", choices=SAMPLE_MODES, default="trajectory",
+                              help="the prompts the policy sees: the whole episode (trajectory) or step-wise mode's "
+                              "bounded ones (default %(default)s)")  # fmt: skip
     evaluate_cmd.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results here")
     return parser
 
@@ -300,7 +370,14 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.start_from is not None and not (args.start_from / REPORT_FILE).is_file():
         parser.error(f"--start-from {args.start_from} has no {REPORT_FILE} (write one with the build command)")
     task_file = shop_tasks.SUITE_FILES[args.suite][0]
-    report = build(args.output, model_spec=spec, warm=warm, task_file=task_file, start_from=args.start_from)
+    report = build(
+        args.output,
+        model_spec=spec,
+        warm=warm,
+        task_file=task_file,
+        start_from=args.start_from,
+        sample_modes=args.sample_mode,
+    )
     last = report.losses[-20:]
     print(
         f"wrote {args.output}: {report.parameters:,} parameters; {report.demonstrations} demonstrations "
@@ -336,6 +413,7 @@ def _evaluate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             temperatures=args.temperature or (1.0, 0.0),
             episodes_per_task=args.episodes_per_task,
             seed=args.seed,
+            sample_mode=args.sample_mode,
         )
     )
     print(
@@ -365,6 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _build(args, parser)
     if args.command == "build-deal":
         report = build_deal(args.output, seed=args.seed, solver_dir=args.solver)
+        print(f"wrote {args.output}: {report.parameters:,} parameters; final loss {report.losses[-1]:.3f}")
+        return 0
+    if args.command == "build-aisle":
+        report = build_aisle(args.output, seed=args.seed, solver_dir=args.solver)
         print(f"wrote {args.output}: {report.parameters:,} parameters; final loss {report.losses[-1]:.3f}")
         return 0
     return _evaluate(args, parser)

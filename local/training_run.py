@@ -1,11 +1,11 @@
 """A few steps of verl's real ``main_ppo`` with this recipe on this machine, from the command line.
 
 It assembles what a local run needs and runs it: the task rows (:func:`prepare_task_rows`), a warm-started tiny
-policy (:func:`tiny_policy_folder`, :func:`deal_policy_folder`), the Corner Shop behind a real ``interactive_browser``
-(:func:`shop_environment`, or in :func:`main` directly) with the fault proxy in front of it
-(:mod:`.faults.injected`), then :func:`.main_ppo_process.run_main_ppo` for a :class:`.run_spec.RunSpec`, printing
-one line per step (:func:`summary_line`) as verl logs it. The environment server and the proxy are stopped when the
-run ends, however it ends.
+policy (:func:`tiny_policy_folder`, :func:`deal_policy_folder`, :func:`aisle_policy_folder`), the Corner Shop
+behind a real ``interactive_browser`` (:func:`shop_environment`, or in :func:`main` directly) with the fault proxy
+in front of it (:mod:`.faults.injected`), then :func:`.main_ppo_process.run_main_ppo` for a
+:class:`.run_spec.RunSpec`, printing one line per step (:func:`summary_line`) as verl logs it. The environment
+server and the proxy are stopped when the run ends, however it ends.
 """
 
 from __future__ import annotations
@@ -98,6 +98,24 @@ def deal_policy_folder(workdir: Path, seed: int = 0) -> Path:
     return folder
 
 
+def aisle_policy_folder(workdir: Path | None = None, seed: int = 0) -> Path:
+    """The tiny policy warm-started for the aisle tasks: the shipped ``local/aisle_policy/`` for seed 0 (built by
+    ``tiny_policy build-aisle`` from the deal policy), else built once per ``workdir`` with that seed."""
+    from . import tiny_policy
+
+    if seed == 0 and (tiny_policy.AISLE_POLICY_DIR / tiny_policy.REPORT_FILE).exists():
+        return tiny_policy.AISLE_POLICY_DIR
+    if workdir is None:
+        raise ValueError(f"no shipped aisle policy for seed {seed}: a workdir to build it in is needed")
+    folder = workdir / f"aisle-policy-seed{seed}"
+    if not (folder / tiny_policy.REPORT_FILE).exists():
+        tiny_policy.build_aisle(folder, seed=seed)
+    return folder
+
+
+POLICY_FOLDERS = {"deal": deal_policy_folder, "aisle": aisle_policy_folder}
+
+
 @contextlib.contextmanager
 def shop_environment(kind: str = "real") -> Iterator[str]:
     """The URL of an ``interactive_browser`` serving the Corner Shop: nemo-gym 0.7.0 with Chromium on 127.0.0.1
@@ -182,10 +200,11 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
     )
     parser.add_argument(
         "--suite",
-        choices=("lookup", "deal"),
+        choices=("lookup", "deal", "aisle"),
         default="lookup",
         help="the Corner Shop tasks: lookup (act on the element the task names, out of the tiny policy's reach; "
-        "default) or deal (name the fruit a board marks on sale, by reading the board or from memory: learnable)",
+        "default), deal (name the fruit a board marks on sale, by reading the board or from memory: learnable) or "
+        "aisle (the same, a click away: observe the aisles, click the marked one, read its board)",
     )
     parser.add_argument("--steps", type=int, default=2, help="training steps (default %(default)s)")
     parser.add_argument("--prompts-per-step", type=int, default=4, help="GRPO groups per step (default %(default)s)")
@@ -311,9 +330,9 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.val_tasks is not None:
         lines = val.read_text(encoding="utf-8").splitlines(keepends=True)
         val.write_text("".join(lines[: args.val_tasks]), encoding="utf-8")
-    if args.model is None and not (args.suite == "deal" and args.seed == 0):  # seed 0's deal policy is shipped
+    if args.model is None and not (args.suite in POLICY_FOLDERS and args.seed == 0):  # seed 0's are shipped
         print(f"building and warm-starting the tiny policy for the {args.suite} tasks ...", flush=True)
-    policy_folder = deal_policy_folder if args.suite == "deal" else tiny_policy_folder
+    policy_folder = POLICY_FOLDERS.get(args.suite, tiny_policy_folder)
     model = args.model.resolve() if args.model else policy_folder(workdir, args.seed)
     if rollout == VLLM_CPU_ENGINE:
         model = vllm_servable(model, workdir)

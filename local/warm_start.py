@@ -7,6 +7,8 @@
 model's (``response_mask == 1``), never on the prompt or on tool responses. The demonstrations always act in the
 right format and order, on copies of the shop whose links are listed in a shuffled order, and pick the element the
 task names with probability ``correct`` (:class:`WarmStartSpec`), so which element to pick is left for RL to learn.
+They are played in either sample mode (``settings.SAMPLE_MODES``): a step-wise episode gives one
+demonstration per step, each over the bounded prompt that mode shows the policy.
 
 Deterministic for a seed and a thread count: the same seed gives the same demonstrations and the same trained
 weights. The environment server and the loop's shared HTTP clients are closed when collecting ends, however it ends.
@@ -14,6 +16,7 @@ weights. The environment server and the loop's shared HTTP clients are closed wh
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -27,7 +30,15 @@ from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2ForCausalLM
 from . import scripted_policy as sp
 from . import shop_tasks
 from .policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
-from .shop_scripts import Chooser, deal_script, script_for
+from .shop_scripts import Chooser, aisle_script, deal_script, script_for
+
+logger = logging.getLogger(__name__)
+
+# A step-wise loop needs a turn limit; the longest shop task takes 4 turns.
+STEPWISE_TURN_LIMIT = 8
+# How often a long warm start reports its progress (the mean loss since the last report).
+PROGRESS_EVERY = 100
+_SCRIPTS = {"deal": deal_script, "aisle": aisle_script}
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class Demonstration:
     response_ids: list[int]
     response_mask: list[int]
     reward: float | None
+    sample_mode: str = "trajectory"  # a step-wise episode gives one demonstration per step
 
     @property
     def length(self) -> int:
@@ -81,19 +93,30 @@ async def collect_demonstrations(
     seed: int,
     guess: float = 0.0,
     shuffle: bool = True,
+    sample_modes: Sequence[str] = ("trajectory",),
 ) -> list[Demonstration]:
-    """``per_task`` scripted episodes of each sample through the real loop against a in-process environment server.
+    """``per_task`` scripted episodes of each sample, in each of ``sample_modes``, through the real loop against an
+    in-process environment server.
 
     With ``shuffle`` each round of episodes runs on a copy of the shop whose links are listed in another seeded
-    order, so the element the task names is at a different position from round to round. A ``deal`` task answers
-    at once from memory with probability ``guess`` (:func:`.shop_scripts.deal_script`).
+    order, so the element the task names is at a different position from round to round. A ``deal`` or ``aisle``
+    task answers at once from memory with probability ``guess`` (:func:`.shop_scripts.deal_script`,
+    :func:`.shop_scripts.aisle_script`); each mode draws its own episodes.
     """
     from ..browser_agent_loop import close_shared_clients
     from .environment_server.server import InProcessEnvironmentServer
-    from .in_process_loop import build_loop, compose_trainer_config, load_tools
+    from .in_process_loop import SAMPLE_MODES, build_loop, compose_trainer_config, load_tools, run_episode
 
+    unknown = set(sample_modes) - set(SAMPLE_MODES)
+    if unknown or not sample_modes:
+        raise ValueError(f"sample modes must be some of {SAMPLE_MODES}, got {list(sample_modes)}")
     records = shop_tasks.records_by_id()
     config = compose_trainer_config(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH)
+    stepwise_config = compose_trainer_config(
+        prompt_length=PROMPT_LENGTH,
+        response_length=RESPONSE_LENGTH,
+        overrides=[f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={STEPWISE_TURN_LIMIT}"],
+    )
     tools = load_tools()
     demonstrations = []
     try:
@@ -101,38 +124,51 @@ async def collect_demonstrations(
             # Each round plays every task on its own shuffled copy of the shop.
             site = shop_tasks.in_process_site(order_seed=f"{seed}:{repeat}" if shuffle else None)
             async with InProcessEnvironmentServer(site=site) as server:
-                for sample in samples:
-                    task_id = sample["extra_info"]["task_id"]
-                    record = records[task_id]
-                    chooser = Chooser(correct, random.Random(f"{seed}:{task_id}:{repeat}"))
-                    if record["kind"] == "deal":
-                        script = deal_script(record, chooser, guess)
-                    else:
-                        script = script_for(record, chooser)
-                    policy = sp.ScriptedPolicy(tokenizer, script)
-                    loop = build_loop(
-                        policy,
-                        tokenizer=tokenizer,
-                        tools=tools,
-                        trainer_config=config,
-                        environment={"server_urls": [server.url]},
-                    )
-                    output = await loop.run({}, **sample)
-                    if output.extra_fields.get("env_invalid"):
-                        failure = output.extra_fields.get("env_failure_reason")
-                        raise RuntimeError(f"the environment server failed a demonstration of {task_id}: {failure}")
-                    demonstrations.append(
-                        Demonstration(
-                            task_id=task_id,
-                            kind=record["kind"],
-                            prompt_ids=list(output.prompt_ids),
-                            response_ids=list(output.response_ids),
-                            response_mask=list(output.response_mask),
-                            reward=output.reward_score,
+                for mode in sample_modes:
+                    stepwise = mode == "stepwise"
+                    for sample in samples:
+                        task_id = sample["extra_info"]["task_id"]
+                        record = records[task_id]
+                        # the trajectory mode's draws are those of builds that had no other mode
+                        key = f"{seed}:{task_id}:{repeat}" + (":stepwise" if stepwise else "")
+                        chooser = Chooser(correct, random.Random(key))
+                        if record["kind"] in _SCRIPTS:
+                            script = _SCRIPTS[record["kind"]](record, chooser, guess)
+                        else:
+                            script = script_for(record, chooser)
+                        loop = build_loop(
+                            sp.ScriptedPolicy(tokenizer, script),
+                            tokenizer=tokenizer,
+                            tools=tools,
+                            trainer_config=stepwise_config if stepwise else config,
+                            environment={"server_urls": [server.url]},
+                            stepwise={"enabled": stepwise},
                         )
-                    )
+                        outputs = await run_episode(loop, {}, sample, mode)
+                        demonstrations += _demonstrations(outputs, task_id, record["kind"], mode)
     finally:
         await close_shared_clients()
+    return demonstrations
+
+
+def _demonstrations(outputs: Any, task_id: str, kind: str, mode: str) -> list[Demonstration]:
+    """One episode's samples (one, or one per step in step-wise mode) as demonstrations."""
+    demonstrations = []
+    for output in outputs:
+        if output.extra_fields.get("env_invalid"):
+            failure = output.extra_fields.get("env_failure_reason")
+            raise RuntimeError(f"the environment server failed a demonstration of {task_id}: {failure}")
+        demonstrations.append(
+            Demonstration(
+                task_id=task_id,
+                kind=kind,
+                prompt_ids=list(output.prompt_ids),
+                response_ids=list(output.response_ids),
+                response_mask=list(output.response_mask),
+                reward=output.reward_score,
+                sample_mode=mode,
+            )
+        )
     return demonstrations
 
 
@@ -234,5 +270,8 @@ def warm_start(
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
+        if len(losses) % PROGRESS_EVERY == 0:
+            recent = losses[-PROGRESS_EVERY:]
+            logger.info("warm start: step %d of %d, mean loss %.4f", len(losses), spec.steps, sum(recent) / len(recent))
     model.eval()
     return losses

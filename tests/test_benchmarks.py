@@ -106,3 +106,63 @@ def test_under_infrastructure_zeros_stock_grpo_favours_survivors_and_the_recipe_
     assert stock > oracle + 0.05  # and incorrect survivors are punished less
     assert abs(recipe - oracle) < 0.05
     assert at_half.failed[1] == 0.0 and at_half.failed[0] < 0
+
+
+# ----- learning_curve.py: suites and sample modes ----------------------------------------------------------------
+
+
+def learning_curve_args(tmp_path: Path, *argv: str):
+    module = load("learning_curve")
+    args = module._parser().parse_args(["--workdir", str(tmp_path), *argv])
+    args.workdir = tmp_path
+    return module, args
+
+
+def test_the_learning_curve_runs_the_deal_suite_in_trajectory_mode_unless_told_otherwise(tmp_path):
+    module, args = learning_curve_args(tmp_path)
+    data = {"model": tmp_path, "train": tmp_path / "t.jsonl", "val": (tmp_path / "a", tmp_path / "b")}
+    spec = module.run_spec(args, arm="recipe", seed=1, rate=0.85, url="http://127.0.0.1:1", data=data)
+
+    assert (args.suite, args.sample_mode) == ("deal", ["trajectory"])
+    assert spec.output_dir == tmp_path / "rate0.85-recipe-seed1"  # where runs went before there were modes
+    assert module.STEPWISE_OVERRIDE not in spec.extra_overrides
+    assert module.val_sources() == {"train": "deal-train", "heldback": "deal-heldback"} == module.VAL_SOURCES
+
+
+def test_a_stepwise_run_of_the_aisle_suite_turns_stepwise_samples_on_and_keeps_its_own_folder(tmp_path):
+    module, args = learning_curve_args(tmp_path, "--suite", "aisle", "--sample-mode", "trajectory", "stepwise")
+    data = {"model": tmp_path, "train": tmp_path / "t.jsonl", "val": (tmp_path / "a", tmp_path / "b")}
+    spec = module.run_spec(args, arm="recipe", seed=0, rate=0.0, url="http://x", data=data, mode="stepwise")
+
+    assert args.sample_mode == ["trajectory", "stepwise"]
+    assert "nemo_gym_browser.stepwise.enabled=true" in spec.extra_overrides
+    assert spec.output_dir == tmp_path / "rate0-recipe-seed0-stepwise"
+    metrics = {"val-core/aisle-heldback/reward/mean@2": 0.5, "val-aux/aisle-train/env/browsed/mean@2": 0.25}
+    assert module.evaluated({0: metrics}, 2, "aisle") == {0: {"heldback_success": 0.5, "train_browsed": 0.25}}
+
+
+def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sample_per_mode():
+    module = load("learning_curve")
+    metrics = {
+        1: {"prompt_length/mean": 600.0, "prompt_length/max": 620.0, "response_length/mean": 100.0,
+            "response_length/max": 300.0, "perf/total_num_tokens": 14000.0, "env/samples": 16.0,
+            "env/step_samples": 40.0},
+        2: {"prompt_length/mean": 610.0, "prompt_length/max": 640.0, "response_length/mean": 90.0,
+            "response_length/max": 200.0, "perf/total_num_tokens": 16000.0, "env/samples": 16.0},
+    }  # fmt: skip
+    tokens = module.sample_tokens(metrics)
+    assert tokens[1]["tokens_per_sample_mean"] == 14000 / 40  # step samples, where there are any
+    assert tokens[2]["tokens_per_sample_mean"] == 1000.0 and tokens[2]["samples"] == 16.0
+    run = {
+        "arm": "recipe", "seed": 0, "rate": 0.0, "suite": "aisle", "sample_mode": "stepwise", "peak_memory_gib": 3.0,
+        "evaluated": {0: {"heldback_success": 0.3}, 2: {"heldback_success": 0.7}, 4: {"heldback_success": 0.85}},
+        "training": {1: {"step_s": 10.0}, 2: {"step_s": 20.0}},
+        "tokens": tokens,
+    }  # fmt: skip
+    costs = module.run_costs(run)
+    assert costs["steps_to_target"] == 4 and costs["seconds_per_step"] == 15.0
+    assert costs["tokens_per_sample_max"] == 920.0 and costs["peak_memory_gib"] == 3.0
+    never = {**run, "seed": 1, "evaluated": {0: {"heldback_success": 0.3}}}
+    (row,) = module.by_mode([{**run, "costs": costs}, {**never, "costs": module.run_costs(never)}])
+    assert (row["suite"], row["sample_mode"], row["arm"], row["rate"]) == ("aisle", "stepwise", "recipe", 0.0)
+    assert row["steps_to_target"] == [4, None] and row["seconds_per_step"] == 15.0

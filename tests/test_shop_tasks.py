@@ -231,3 +231,107 @@ async def test_a_deal_is_answered_by_reading_the_board_or_from_memory_without_to
         assert rewards == [1.0] * len(rows)  # the solver reads the mark every time
     else:
         assert 0 < sum(rewards) < len(rows)  # a fruit drawn at random: right on some boards, wrong on most
+
+
+# ----- the aisle suite ------------------------------------------------------------------------------------------
+
+
+def test_aisle_days_balance_the_answer_per_split_and_only_the_marked_aisle_has_it():
+    names = st.deal_names()
+    for split, per_fruit in st.AISLE_TASKS_PER_FRUIT.items():
+        records = st.task_records(split, suite="aisle")
+        answers = collections.Counter(record["verifier_metadata"]["answer_equals"] for record in records)
+        assert answers == dict.fromkeys(names, per_fruit)  # a guess is right one time in four
+        assert {record["ques"] for record in records} == {st.AISLE_QUESTION}
+    days = st.aisle_days()
+    # the answer is not told by the marked aisle's name or place, nor by the day number's last digit
+    assert {(day.deal_aisle, day.sale) for day in days} == {(aisle, name) for aisle in st.AISLES for name in names}
+    assert {(day.order.index(day.deal_aisle), day.sale) for day in days} == {(i, n) for i in range(4) for n in names}
+    assert {(day.number % 10, day.sale) for day in days if day.split == "train"} >= {
+        (digit, name) for digit in (0, 1, 2, 3, 5, 6, 7, 8) for name in names
+    }
+    for day in days[:100]:
+        assert sorted(day.sales.values()) == sorted(names)  # any other aisle's stand has another fruit on sale
+
+
+def test_the_splits_share_the_url_shape_but_no_day_and_no_training_page_shows_a_held_back_day():
+    by_split = {split: st.task_records(split, suite="aisle") for split in ("train", "heldback")}
+    numbers = {split: {int(r["web"].rpartition("=")[2]) for r in records} for split, records in by_split.items()}
+    assert not numbers["train"] & numbers["heldback"]
+    assert {r["web"].rpartition("=")[0] for records in by_split.values() for r in records} == {
+        st.page_url(st.AISLES_PAGE + "?day")
+    }
+    assert all(n % st.AISLE_HELD_BACK_EVERY == st.AISLE_HELD_BACK_EVERY - 1 for n in numbers["heldback"])
+    site = st.in_process_site()
+    for day in st.aisle_days()[:40]:
+        start = site.page(st.page_url(day.file))
+        for element in start.elements[:-1]:  # each aisle's stand belongs to the same day
+            assert element.href.startswith(f"{st.AISLE_PAGE}?day={day.number}&")
+
+
+def test_the_aisles_page_marks_one_aisle_and_its_stand_is_a_deal_board_marking_the_answer():
+    site = st.in_process_site()
+    orders = set()
+    for day in st.aisle_days()[:200]:
+        start = site.page(st.page_url(day.file))
+        labels = [element.name for element in start.elements]
+        assert labels == [*(day.label(aisle) for aisle in day.order), "Home"]
+        assert [label for label in labels if label.endswith(st.DEAL_MARK)] == [f"{day.deal_aisle} {st.DEAL_MARK}"]
+        orders.add(day.order)
+        for aisle in st.AISLES:
+            stand = site.page(st.page_url(day.stand_file(aisle)))
+            marked = [e.name for e in stand.elements if e.name.endswith(st.SALE_MARK)]
+            assert stand.title == "Deals" and marked == [f"{day.sales[aisle]} {st.SALE_MARK}"]
+    assert len(orders) == 24
+    assert site.page(st.page_url("aisles.html?day=x")).text.splitlines()[1] == "No such day."
+    for bad in ("aisle.html?day=3&aisle=fruit", "aisle.html?day=&aisle=toys", "aisle.html?day=3"):
+        assert site.page(st.page_url(bad)).text.splitlines()[1] == "No such aisle."
+
+
+class WrongAisle(shop_scripts.Chooser):
+    """Clicks an aisle that is not the marked one, then reads that stand's mark correctly."""
+
+    def pick(self, named, plausible):
+        return next(name for name in plausible if name != named) if named in st.AISLES else named
+
+
+@pytest.mark.parametrize("stepwise", [False, True], ids=["trajectory", "stepwise"])
+@pytest.mark.parametrize("route", ["browse", "wrong-aisle", "guess"])
+async def test_an_aisle_task_is_solved_by_two_dependent_browser_calls_and_not_by_another_aisle_or_a_guess(
+    route, stepwise, tokenizer, tools, stepwise_trainer_config, tmp_path
+):
+    rows = prepare(st.AISLE_TRAIN_FILE, tmp_path)[:16]
+    dataset = BrowserJSONLDataset(str(tmp_path / prep.TRAIN_FILE))
+    records = st.records_by_id()
+    rewards, calls = [], []
+    try:
+        async with InProcessEnvironmentServer(site=st.in_process_site()) as server:
+            for i in range(len(rows)):
+                sample = dataset[i]
+                record = records[sample["extra_info"]["task_id"]]
+                chooser = (WrongAisle if route == "wrong-aisle" else shop_scripts.Chooser)(1.0, random.Random(i))
+                script = shop_scripts.aisle_script(record, chooser, guess=1.0 if route == "guess" else 0.0)
+                loop = build_loop(
+                    sp.ScriptedPolicy(tokenizer, script),
+                    tokenizer=tokenizer,
+                    tools=tools,
+                    trainer_config=stepwise_trainer_config,
+                    environment={"server_urls": [server.url], **FAST_ENV},
+                    stepwise={"enabled": stepwise},
+                )
+                v1 = {"uid": f"u{i}", "session_id": 0, "global_steps": 1} if stepwise else {}
+                output = await loop.run({}, **sample, **v1)
+                final = output[-1] if stepwise else output
+                assert final.extra_fields["env_invalid"] is False, final.extra_fields
+                assert not stepwise or len(output) == (1 if route == "guess" else 3)
+                rewards.append(final.reward_score)
+                calls.append(final.extra_fields["env_browser_actions"])
+            assert server.open_sessions == 0
+    finally:
+        await close_shared_clients()
+    if route == "browse":
+        assert rewards == [1.0] * len(rows) and calls == [2] * len(rows)  # observe, then click the marked aisle
+    elif route == "wrong-aisle":
+        assert rewards == [0.0] * len(rows) and calls == [2] * len(rows)  # another aisle's stand: another fruit
+    else:
+        assert calls == [0] * len(rows) and 0 < sum(rewards) < len(rows)

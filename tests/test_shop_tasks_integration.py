@@ -135,3 +135,59 @@ async def test_the_deal_boards_render_as_in_chromium_and_a_deal_is_read_or_guess
         await close_shared_clients()
     assert outcomes["browse"] == (1.0, 1)
     assert outcomes["guess"][1] == 0  # answered without the browser, right or wrong
+
+
+async def aisle_pages(server_url: str) -> list[str]:
+    """Eight aisle days, each followed to two of its stands by clicks, then a bad day and a bad aisle: every
+    observation."""
+    config = EnvironmentConfig(server_urls=(server_url,), **ENVIRONMENT)
+    days = st.aisle_days()[:8]
+    seen = []
+    async with EnvironmentClient(config) as client:
+        start = st.page_url(days[0].file)
+        async with client.session(rollout_id="aisles", attempt=0, task_id="aisles", initial_url=start) as session:
+            for index, day in enumerate(days):
+                shown = session.observe() if index == 0 else session.navigate(st.page_url(day.file))
+                page = (await shown).observation
+                seen.append(page)
+                for aisle in (day.deal_aisle, day.order[-1] if day.order[-1] != day.deal_aisle else day.order[0]):
+                    seen.append((await session.click(named(page, day.label(aisle)))).observation)
+                    page = (await session.navigate(st.page_url(day.file))).observation
+            for bad in ("aisles.html?day=x", "aisle.html?day=1&aisle=fruit"):
+                seen.append((await session.navigate(st.page_url(bad))).observation)
+    return seen
+
+
+async def test_the_aisle_pages_render_as_in_chromium_and_an_aisle_task_is_solved_by_clicking_on_the_real_server(
+    real_environment, shop_site, tokenizer, tools, stepwise_trainer_config, tmp_path
+):
+    async with InProcessEnvironmentServer(site=st.in_process_site()) as fake:
+        expected = await aisle_pages(fake.url)
+    actual = await aisle_pages(real_environment.url)
+    assert actual == expected and len(actual) == 8 * 3 + 2
+    starts, stands = actual[:-2:3], [page for i, page in enumerate(actual[:-2]) if i % 3]
+    assert all(text.count(st.DEAL_MARK) == 2 for text in starts)  # the marked link and the page text
+    assert all(text.count(st.SALE_MARK) == 2 for text in stands)
+
+    sample = load_samples(st.AISLE_HELD_BACK_FILE, tmp_path)[0]
+    record = st.records_by_id()[sample["extra_info"]["task_id"]]
+    outcomes = {}
+    try:
+        for route, guess, stepwise in (("browse", 0.0, False), ("browse-stepwise", 0.0, True), ("guess", 1.0, False)):
+            loop = build_loop(
+                sp.ScriptedPolicy(tokenizer, shop_scripts.aisle_script(record, shop_scripts.Chooser(), guess)),
+                tokenizer=tokenizer,
+                tools=tools,
+                trainer_config=stepwise_trainer_config,
+                environment={"server_urls": [real_environment.url], **ENVIRONMENT},
+                stepwise={"enabled": stepwise},
+            )
+            v1 = {"uid": route, "session_id": 0, "global_steps": 1} if stepwise else {}
+            output = await loop.run({}, **sample, **v1)
+            final = output[-1] if stepwise else output
+            assert final.extra_fields["env_invalid"] is False, final.extra_fields
+            outcomes[route] = (final.reward_score, final.extra_fields["env_browser_actions"])
+    finally:
+        await close_shared_clients()
+    assert outcomes["browse"] == (1.0, 2) and outcomes["browse-stepwise"] == (1.0, 2)  # observe, click the mark
+    assert outcomes["guess"][1] == 0  # answered without the browser, right or wrong

@@ -23,6 +23,7 @@ from nemo_gym_browser.local import policy_evaluation, policy_model, warm_start
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.local import tiny_policy as tp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
+from nemo_gym_browser.stepwise import STEP_HISTORY_HEADER
 
 SMALL_MODEL = policy_model.ModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
@@ -90,6 +91,28 @@ def test_demonstrations_are_the_loops_own_token_sequences_and_solve_their_tasks(
         )
         assert model_text.count("<tool_call>") == model_text.count("<|im_end|>") >= 3
         assert "<tool_response>" in tool_text and "<tool_call>" not in tool_text and "TITLE:" in tool_text
+
+
+def test_a_stepwise_demonstration_is_one_sample_per_step_over_the_prompt_that_mode_shows(policy_tokenizer, tmp_path):
+    tasks = tmp_path / "aisle.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in st.task_records("heldback", suite="aisle")[:2]))
+    samples = warm_start.load_samples(tasks, tmp_path / "rows")
+    demos = asyncio.run(
+        warm_start.collect_demonstrations(
+            policy_tokenizer, samples, correct=1.0, per_task=1, seed=0, sample_modes=("trajectory", "stepwise")
+        )
+    )
+    by_mode = {mode: [d for d in demos if d.sample_mode == mode] for mode in ("trajectory", "stepwise")}
+    assert len(by_mode["trajectory"]) == 2 and len(by_mode["stepwise"]) == 2 * 3  # observe, click, finish
+    assert all(demo.reward == 1.0 for demo in demos)
+    for demo in by_mode["stepwise"]:
+        assert demo.response_mask == [1] * len(demo.response_ids)  # the step's own turn, nothing else
+        assert policy_tokenizer.decode(demo.response_ids).count("<tool_call>") == 1
+    last = policy_tokenizer.decode(by_mode["stepwise"][2].prompt_ids)
+    assert STEP_HISTORY_HEADER.format(steps=2) in last and last.count("TITLE:") == 1  # only the stand's observation
+    with pytest.raises(ValueError, match="sample modes"):
+        asyncio.run(warm_start.collect_demonstrations(policy_tokenizer, samples, correct=1.0, per_task=1, seed=0,
+                                                      sample_modes=("episode",)))  # fmt: skip
 
 
 def test_the_warm_start_learns_only_the_models_tokens_and_its_shared_prefix_loss_is_the_plain_loss(

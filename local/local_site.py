@@ -14,6 +14,7 @@ shuts the server down and joins its thread. Nothing is written to disk and nothi
 
 from __future__ import annotations
 
+import errno
 import functools
 import http.server
 import logging
@@ -32,6 +33,10 @@ STOP_TIMEOUT_S = 5.0
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         logger.debug("local site: " + format, *args)
+
+
+class LocalSiteBusy(RuntimeError):
+    """The port the site must be served on is taken."""
 
 
 class LocalSite:
@@ -67,7 +72,16 @@ class LocalSite:
         if not (self.directory / "index.html").is_file():
             raise FileNotFoundError(f"no index.html in {self.directory}")
         handler = functools.partial(_QuietHandler, directory=str(self.directory))
-        self._server = http.server.ThreadingHTTPServer((LOOPBACK, self._requested_port), handler)
+        try:
+            self._server = http.server.ThreadingHTTPServer((LOOPBACK, self._requested_port), handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            # the shop's task URLs name their port: a second local run (or test run) on this machine cannot share it
+            raise LocalSiteBusy(
+                f"{LOOPBACK}:{self._requested_port} is taken (another local run or test run serving the site?): "
+                f"stop it, or wait for it to end; {self.directory} is served only on this port"
+            ) from None
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="local-site", daemon=True)
         self._thread.start()

@@ -20,6 +20,7 @@ from typing import Any
 from ..task_rows import DATA_SOURCE
 from ..wiring import INVALID_FRACTION_METRIC
 from .faults.injected import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
+from .local_site import LocalSiteBusy
 from .main_ppo_process import read_step_metrics, run_main_ppo
 from .run_spec import (
     CPU_ROLLOUT,
@@ -298,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the with-blocks and run_main_ppo stopped everything they started on the way out
         print("\ninterrupted: main_ppo, the fault proxy, the environment server and Chromium are stopped", flush=True)
         return 130
+    except LocalSiteBusy as exc:
+        print(f"training_run: error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _run(argv: Sequence[str] | None) -> int:

@@ -300,3 +300,49 @@ def test_stepwise_mode_leaves_no_browser_session_open(stepwise_run) -> None:
     _require_ok(result)
     assert left_open == ()
     assert state.idle, f"the server still holds {state}"
+
+
+# ----- step-wise mode on tasks two dependent browser calls deep (the aisle suite) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def aisle_run(real_environment, shop_site, workdir: Path):
+    """Two step-wise training steps of the shipped aisle policy on four aisle training days, no fault injected."""
+    from nemo_gym_browser.local import shop_tasks
+    from nemo_gym_browser.local.tiny_policy import AISLE_POLICY_DIR
+
+    train_file, _ = shop_tasks.SUITE_FILES["aisle"]
+    tasks = workdir / "aisle_tasks.jsonl"
+    tasks.write_text("".join(train_file.read_text().splitlines(keepends=True)[:4]))
+    train, _ = tr.prepare_task_rows(workdir / "aisle", tasks, tasks)
+    run = train_under_the_plan(
+        real_environment,
+        AISLE_POLICY_DIR,
+        workdir,
+        (train, train, 4),
+        "aisle-stepwise",
+        plan={},
+        group_size=8,
+        max_assistant_turns=4,
+        extra_overrides=STEPWISE_OVERRIDES,
+    )
+    return run.result, run.left_open, run.state
+
+
+def test_stepwise_mode_trains_on_episodes_of_two_dependent_browser_calls(aisle_run) -> None:
+    """Every browsing episode of the aisle policy observes, clicks and finishes: one sample per policy step, each
+    with its episode's advantage; the reward is the server's own verdict on the named fruit."""
+    result, left_open, state = aisle_run
+    _require_ok(result)
+    assert sorted(result.advantages) == [1, 2]
+    multi_step = 0
+    for step, samples in result.advantages.items():
+        episodes = _sessions(samples)
+        assert mp.metric(result.steps, step, "env/samples") == len(episodes) == 4 * 8
+        assert mp.metric(result.steps, step, "env/invalid_count") == 0
+        for steps in episodes.values():
+            assert len({sample["advantage"] for sample in steps}) == 1  # the episode's advantage on every step
+            assert steps[-1]["score"] in (0.0, 1.0)
+            multi_step += len(steps) >= 3  # observe, click, finish: three policy steps
+    assert multi_step > 0  # the policy browses on some episodes (17 % held back at the start)
+    assert left_open == () and state.idle

@@ -320,3 +320,18 @@ def test_ctrl_c_ends_the_command_with_one_line_and_no_traceback(monkeypatch, cap
     out, err = capsys.readouterr()
     assert out.strip() == "interrupted: main_ppo, the fault proxy, the environment server and Chromium are stopped"
     assert "Traceback" not in out + err
+
+
+def test_a_second_run_while_the_shop_site_is_served_stops_with_one_line_naming_the_port(tmp_path, capsys) -> None:
+    """The shop's task URLs name the site's port, so two local runs cannot share a machine: the second one says so."""
+    from nemo_gym_browser.local import shop_tasks
+    from nemo_gym_browser.local.local_site import LocalSiteBusy
+
+    with shop_tasks.serve() as first:
+        port = first.port
+        with pytest.raises(LocalSiteBusy, match=f"127.0.0.1:{port} is taken"), shop_tasks.serve():
+            pass
+        assert tr.main(["--workdir", str(tmp_path), "--environment", "real", "--suite", "deal", "--steps", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert f"training_run: error: 127.0.0.1:{port} is taken" in err
+    assert "Traceback" not in out + err

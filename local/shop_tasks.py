@@ -671,33 +671,29 @@ def _task(kind: str, item: Item, origin: str) -> dict[str, Any]:
 DEAL_QUESTION = "Which fruit is on sale today? Answer with its name."
 
 
-def _deal_task(board: DealBoard, origin: str) -> dict[str, Any]:
+def _sale_task(kind: str, question: str, number: int, file: str, sale: str, split: str, origin: str) -> dict[str, Any]:
+    """A task whose answer is the fruit on sale, graded by the server's ``answer_equals`` (deal and aisle suites)."""
     return {
         "web_name": SITE_NAME,
-        "id": f"shop--deal-{board.number}",
-        "ques": DEAL_QUESTION,
-        "web": page_url(board.file, origin),
-        "verifier_metadata": {"answer_equals": board.sale},
-        "kind": "deal",
-        "item": board.sale,
-        "split": board.split,
+        "id": f"shop--{kind}-{number}",
+        "ques": question,
+        "web": page_url(file, origin),
+        "verifier_metadata": {"answer_equals": sale},
+        "kind": kind,
+        "item": sale,
+        "split": split,
     }
+
+
+def _deal_task(board: DealBoard, origin: str) -> dict[str, Any]:
+    return _sale_task("deal", DEAL_QUESTION, board.number, board.file, board.sale, board.split, origin)
 
 
 AISLE_QUESTION = "Which fruit is on sale today? Open the aisle that has it, then answer with the fruit's name."
 
 
 def _aisle_task(day: AisleDay, origin: str) -> dict[str, Any]:
-    return {
-        "web_name": SITE_NAME,
-        "id": f"shop--aisle-{day.number}",
-        "ques": AISLE_QUESTION,
-        "web": page_url(day.file, origin),
-        "verifier_metadata": {"answer_equals": day.sale},
-        "kind": "aisle",
-        "item": day.sale,
-        "split": day.split,
-    }
+    return _sale_task("aisle", AISLE_QUESTION, day.number, day.file, day.sale, day.split, origin)
 
 
 def task_records(split: str | None = None, origin: str = SHOP_ORIGIN, *, suite: str = "lookup") -> list[dict[str, Any]]:

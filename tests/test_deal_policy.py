@@ -6,35 +6,22 @@ and, when it reads the board, names the marked fruit.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from shipped_policy import check_shipped_weights
 
-from nemo_gym_browser.local import policy_evaluation, policy_model, warm_start
+from nemo_gym_browser.local import policy_evaluation, warm_start
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.local import tiny_policy as tp
 
 POLICY = tp.DEAL_POLICY_DIR
 
 
-def recorded_hashes() -> dict[str, str]:
-    lines = (POLICY / "SHA256SUMS").read_text(encoding="utf-8").splitlines()
-    return {name.strip(): digest for digest, name in (line.split(maxsplit=1) for line in lines if line.strip())}
-
-
 def test_the_shipped_weights_are_the_ones_recorded_and_load_with_the_codes_tokenizer():
-    for name, digest in recorded_hashes().items():
-        assert hashlib.sha256((POLICY / name).read_bytes()).hexdigest() == digest, name
-    assert "model.safetensors" in recorded_hashes()
-    model = AutoModelForCausalLM.from_pretrained(POLICY)
-    assert model.config.vocab_size == len(policy_model.policy_tokenizer())
-    assert AutoTokenizer.from_pretrained(POLICY).get_vocab() == policy_model.policy_tokenizer().get_vocab()
-    report = json.loads((POLICY / tp.REPORT_FILE).read_text())
+    report = check_shipped_weights(POLICY)
     assert report["warm_start"] == asdict(tp.DEAL_MIXED)  # built with the settings the code names
     assert report["start_from"]["warm_start"] == asdict(tp.DEAL_SOLVER)
     assert report["start_from"]["model"] == asdict(tp.DEAL_MODEL)

@@ -217,6 +217,52 @@ def by_mode(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
+# the settings a run's result depends on: a resumed benchmark must have been started with the same ones
+RUN_SETTINGS = (
+    "suite", "model", "engine", "environment", "fault_kind", "steps", "eval_every", "val_tasks", "val_samples",
+    "prompts_per_step", "group_size", "lr",
+)  # fmt: skip
+
+
+def run_plan(args: argparse.Namespace) -> list[tuple[str, float, int, str]]:
+    """(mode, rate, seed, arm) in the order they run: rate first, so a long benchmark's runs without failures, in
+    every mode, land before the failure comparison."""
+    return [
+        (mode, rate, seed, arm)
+        for rate in args.rates
+        for mode in args.sample_mode
+        for seed in args.seeds
+        for arm in args.arms
+        # with no failure the arms produce the same episodes (test_main_ppo_determinism)
+        if not (rate == 0 and arm == "stock" and "recipe" in args.arms and not args.stock_at_zero)
+    ]
+
+
+def run_key(run: dict[str, Any]) -> tuple[str, float, int, str]:
+    return (run.get("sample_mode", "trajectory"), run["rate"], run["seed"], run["arm"])
+
+
+def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs a benchmark wrote to ``path`` before it stopped, checked to come from the same settings (a run is
+    kept whatever the rates, seeds, arms or modes asked now: it is measured). JSON turned the step keys into text:
+    they are numbers again, so steps sort as steps."""
+    if not path.is_file():
+        return []
+    try:
+        report = json.loads(path.read_text())
+        previous, runs = report["settings"], report["runs"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resume: {path} is not a learning_curve.py report ({exc})") from None
+    differing = [key for key in RUN_SETTINGS if str(previous.get(key)) != str(settings[key])]
+    if differing:
+        shown = ", ".join(f"{key} {previous.get(key)!r} there, {settings[key]!r} now" for key in differing)
+        raise ValueError(f"--resume: {path} was measured with other settings ({shown}); give another --json")
+    for run in runs:
+        for field in ("evaluated", "training", "tokens"):
+            run[field] = {int(step): value for step, value in run.get(field, {}).items()}
+    return runs
+
+
 def run_one(
     args: argparse.Namespace,
     *,
@@ -398,6 +444,7 @@ examples:
   # the aisle tasks (two dependent browser calls) in both sample modes, the recipe at no failures
   python bench/learning_curve.py --suite aisle --sample-mode trajectory stepwise --rates 0 --arms recipe \\
       --steps 40 --json bench/learning_curve_aisle.json --plot bench/learning_curve_aisle.png
+  # the same command with --resume after a stop: the runs the JSON holds are kept, the others run
 
 exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     )
@@ -435,6 +482,9 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/nemo-gym-browser-learning-curve"))
     parser.add_argument("--plot", type=Path, default=HERE / "learning_curve.png")
     parser.add_argument("--json", type=Path, default=HERE / "learning_curve.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs --json already holds (same settings) and run only the missing ones: a "
+                        "benchmark longer than a session, stopped, goes on where it stopped")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run (%(default)s)")
     return parser
 
@@ -476,19 +526,18 @@ def main(argv: list[str] | None = None) -> int:
     data = {"model": model, "train": train_rows, "val": (val_train, val_held), "val_ids": train_ids | held_ids}
     print(f"policy {model} ready after {time.monotonic() - started:.0f} s", flush=True)
 
-    runs: list[dict[str, Any]] = []
     settings = vars(args) | {"workdir": str(args.workdir), "model": str(model)}
-    plan = [
-        (mode, rate, seed, arm)
-        for mode in args.sample_mode
-        for rate in args.rates
-        for seed in args.seeds
-        for arm in args.arms
-        # with no failure the arms produce the same episodes (test_main_ppo_determinism)
-        if not (rate == 0 and arm == "stock" and "recipe" in args.arms and not args.stock_at_zero)
-    ]
+    runs: list[dict[str, Any]] = []
+    if args.resume:
+        try:
+            runs = resumed_runs(args.json, settings)
+        except ValueError as exc:
+            print(f"learning_curve.py: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"resumed {len(runs)} run(s) from {args.json}", flush=True)
+    done = {run_key(run) for run in runs}
     with tr.shop_environment(args.environment) as url:
-        for mode, rate, seed, arm in plan:
+        for mode, rate, seed, arm in (item for item in run_plan(args) if item not in done):
             run = run_one(args, arm=arm, seed=seed, rate=rate, url=url, data=data, mode=mode)
             runs.append(run)
             first, last = min(run["evaluated"]), max(run["evaluated"])

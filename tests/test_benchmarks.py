@@ -166,3 +166,26 @@ def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sampl
     (row,) = module.by_mode([{**run, "costs": costs}, {**never, "costs": module.run_costs(never)}])
     assert (row["suite"], row["sample_mode"], row["arm"], row["rate"]) == ("aisle", "stepwise", "recipe", 0.0)
     assert row["steps_to_target"] == [4, None] and row["seconds_per_step"] == 15.0
+
+
+def test_a_long_benchmark_runs_without_failures_first_and_resumes_where_it_stopped(tmp_path):
+    module, args = learning_curve_args(
+        tmp_path, "--suite", "aisle", "--sample-mode", "trajectory", "stepwise", "--steps", "40"
+    )
+    plan = module.run_plan(args)
+    assert plan[:4] == [("trajectory", 0.0, 0, "recipe"), ("trajectory", 0.0, 1, "recipe"),
+                        ("trajectory", 0.0, 2, "recipe"), ("stepwise", 0.0, 0, "recipe")]  # fmt: skip
+    assert len(plan) == 2 * 3 + 2 * 3 * 2 and ("stepwise", 0.85, 2, "stock") == plan[-1]
+    settings = vars(args) | {"workdir": str(tmp_path), "model": "/m"}
+    run = {"arm": "recipe", "seed": 1, "rate": 0.0, "sample_mode": "stepwise", "evaluated": {2: {}, 10: {}},
+           "training": {1: {}}, "tokens": {1: {}}}  # fmt: skip
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"settings": settings, "runs": [run]}, default=str))
+    (kept,) = module.resumed_runs(report, settings)
+    assert module.run_key(kept) in plan and max(kept["evaluated"]) == 10  # a step again, not the text "2"
+    assert module.resumed_runs(tmp_path / "absent.json", settings) == []
+    with pytest.raises(ValueError, match=r"steps 40 there, 20 now"):
+        module.resumed_runs(report, settings | {"steps": 20, "json": "elsewhere"})
+    report.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"not a learning_curve\.py report"):
+        module.resumed_runs(report, settings)

@@ -570,3 +570,25 @@ def test_a_ray_worker_with_the_recipe_folder_on_its_pythonpath_is_wired_by_sitec
     state = ray.get(wiring_in_worker.options(runtime_env={"env_vars": env}).remote(), timeout=SUBPROCESS_TIMEOUT_S)
     assert state["sitecustomize"] == str(folder / "sitecustomize.py")
     assert state["targets"] == list(patches.TARGETS)
+
+
+def test_stock_grpo_counts_each_stepwise_episode_once_in_its_group_baseline(stock_results):
+    """What the stock arm of the step-wise learning benchmark trains with: verl's V1 GRPO, recipe off, takes each
+    session's final sample as the episode and gives its advantage to every step sample of the session, so an episode
+    of two steps weighs in the baseline as much as one of a single step (the recipe's estimator does the same)."""
+    cases, results = stock_results
+    case = cases["v1-multi-output-sessions"]
+    scores = case["tensors"]["token_level_rewards"].sum(-1)
+    mask = case["tensors"]["response_mask"].bool()
+    sessions = [key.rsplit("_", 1)[0] for key in case["batch_keys"]]
+    advantages = results["v1-multi-output-sessions"]["advantages"]
+    for first in range(0, len(sessions), 6):  # one prompt: rows first..first+5, sessions 0 (two steps) to 4
+        rows = range(first, first + 6)
+        final = {sessions[row]: row for row in rows}  # the highest index of each session comes last
+        episode_scores = torch.stack([scores[row] for row in final.values()])
+        once = (episode_scores - episode_scores.mean()) / (episode_scores.std() + 1e-6)
+        for session, expected in zip(final, once, strict=True):
+            for row in (row for row in rows if sessions[row] == session):
+                assert torch.allclose(advantages[row][mask[row]], expected.expand(int(mask[row].sum())))
+        every_step = torch.stack([scores[row] for row in rows])  # two samples of session 0 in the baseline
+        assert not torch.allclose(once, (episode_scores - every_step.mean()) / (every_step.std() + 1e-6))

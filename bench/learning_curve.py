@@ -392,7 +392,12 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     figure, axes = plt.subplots(
         len(panels), len(rates), figsize=(4.6 * len(rates), 3.2 * len(panels)), sharey="row", squeeze=False
     )
-    colours = {"recipe": "tab:blue", "stock": "tab:red"}
+    colours = {  # an arm's modes in shades apart, so two modes' lines in one panel stay told apart
+        ("recipe", "trajectory"): "tab:blue",
+        ("recipe", "stepwise"): "tab:green",
+        ("stock", "trajectory"): "tab:red",
+        ("stock", "stepwise"): "tab:orange",
+    }
     for column, rate in enumerate(rates):
         for row, (key, label) in enumerate(panels):
             axis = axes[row][column]
@@ -407,7 +412,7 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
                 steps = sorted({int(s) for run in group for s in run["evaluated"]})
                 for run in group:  # one thin line per seed
                     xs = [s for s in steps if s in run["evaluated"] and key in run["evaluated"][s]]
-                    axis.plot(xs, [run["evaluated"][s][key] for s in xs], color=colours[arm], alpha=0.3, lw=0.8)
+                    axis.plot(xs, [run["evaluated"][s][key] for s in xs], color=colours[arm, mode], alpha=0.3, lw=0.8)
                 means = []
                 for s in steps:
                     values = [run["evaluated"][s][key] for run in group if s in run["evaluated"]]
@@ -415,7 +420,7 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
                 style = "-" if arm == "recipe" else "--"
                 marker = "o" if mode == "trajectory" else "s"
                 name = arm if len(modes) == 1 else f"{arm}, {mode}"
-                axis.plot(steps, means, style, color=colours[arm], marker=marker, ms=3, label=f"{name} (mean)")
+                axis.plot(steps, means, style, color=colours[arm, mode], marker=marker, ms=3, label=f"{name} (mean)")
             axis.set_ylim(-0.02, 1.02)
             axis.grid(alpha=0.3)
             if row == 0:
@@ -424,7 +429,11 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
                 axis.set_xlabel("training step")
             if column == 0:
                 axis.set_ylabel(label)
-    axes[0][0].legend(fontsize=8)
+    labelled = {}  # every line once, whichever panel drew it (the 0 % panel has no stock line)
+    for axis in axes.flat:
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            labelled.setdefault(label, handle)
+    axes[0][-1].legend(labelled.values(), labelled.keys(), fontsize=8)
     figure.suptitle(textwrap.fill(title, width=int(4.6 * len(rates) * 17)), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -12,7 +12,9 @@ marks), with its own warm-started policy (``local/aisle_policy``).
 ``nemo_gym_browser.stepwise.enabled``); each mode listed runs every arm, seed and rate. Per run it records steps to
 0.8 held-back success, seconds per step, tokens per sample (the mean, from verl's ``perf/total_num_tokens`` over
 the step's samples; the max as the longest prompt plus the longest response of a step, verl's ``prompt_length`` and
-``response_length``) and peak memory, and per suite, mode, arm and rate their summary (``by_mode``).
+``response_length``), optimizer updates per step and to 0.8 (verl's V1 trainer makes one per ``ppo_mini_batch_size``
+x ``rollout.n`` samples: several per step in step-wise mode) and peak memory, and per suite, mode, arm and rate
+their summary (``by_mode``).
 
 Two arms, the same policy, tasks and seed:
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 import time
@@ -178,16 +181,26 @@ def sample_tokens(steps: dict[int, dict[str, Any]]) -> dict[int, dict[str, float
 LENGTH_KEYS = ("prompt_length/mean", "prompt_length/max", "response_length/mean", "response_length/max")
 
 
-def run_costs(run: dict[str, Any]) -> dict[str, Any]:
+def run_costs(run: dict[str, Any], mini_batch: int | None = None) -> dict[str, Any]:
     """What a run cost: seconds per training step, tokens per sample (mean; max = the longest prompt plus the
-    longest response of any step, which one sample reaches when it holds both), peak memory; and steps to 0.8."""
+    longest response of any step, which one sample reaches when it holds both), peak memory; and steps to 0.8.
+
+    With ``mini_batch`` (verl's ``ppo_mini_batch_size`` x ``rollout.n``, in samples) also the optimizer updates: verl's
+    V1 trainer cuts a step's samples into mini-batches of that many, padding the last, one update each, so a step of
+    step samples makes several updates where a step of episodes makes one."""
     seconds = [t["step_s"] for t in run["training"].values() if t.get("step_s") is not None]
-    tokens = run.get("tokens", {}).values()
-    means = [t["tokens_per_sample_mean"] for t in tokens if "tokens_per_sample_mean" in t]
-    maxima = [t["prompt_length/max"] + t["response_length/max"] for t in tokens if "response_length/max" in t]
-    samples = [t["samples"] for t in tokens if t.get("samples")]
+    tokens = run.get("tokens", {})
+    means = [t["tokens_per_sample_mean"] for t in tokens.values() if "tokens_per_sample_mean" in t]
+    maxima = [t["prompt_length/max"] + t["response_length/max"] for t in tokens.values() if "response_length/max" in t]
+    samples = [t["samples"] for t in tokens.values() if t.get("samples")]
+    reached = steps_to(run["evaluated"])
+    updates = {
+        step: math.ceil(t["samples"] / mini_batch) for step, t in tokens.items() if mini_batch and t.get("samples")
+    }
     return {
-        "steps_to_target": steps_to(run["evaluated"]),
+        "steps_to_target": reached,
+        "updates_per_step": sum(updates.values()) / len(updates) if updates else None,
+        "updates_to_target": sum(n for step, n in updates.items() if step <= reached) if updates and reached else None,
         "seconds_per_step": sum(seconds) / len(seconds) if seconds else None,
         "tokens_per_sample_mean": sum(means) / len(means) if means else None,
         "tokens_per_sample_max": max(maxima) if maxima else None,
@@ -208,8 +221,15 @@ def by_mode(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"suite": suite, "sample_mode": mode, "arm": arm, "rate": rate}
         row["seeds"] = [run["seed"] for run in group]
         row["steps_to_target"] = [cost["steps_to_target"] for cost in costs]
-        for key in ("seconds_per_step", "tokens_per_sample_mean", "samples_per_step", "peak_memory_gib"):
-            values = [cost[key] for cost in costs if cost[key] is not None]
+        row["updates_to_target"] = [cost.get("updates_to_target") for cost in costs]
+        for key in (
+            "seconds_per_step",
+            "tokens_per_sample_mean",
+            "samples_per_step",
+            "updates_per_step",
+            "peak_memory_gib",
+        ):
+            values = [cost[key] for cost in costs if cost.get(key) is not None]
             row[key] = sum(values) / len(values) if values else None
         maxima = [cost["tokens_per_sample_max"] for cost in costs if cost["tokens_per_sample_max"] is not None]
         row["tokens_per_sample_max"] = max(maxima) if maxima else None
@@ -260,6 +280,7 @@ def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     for run in runs:
         for field in ("evaluated", "training", "tokens"):
             run[field] = {int(step): value for step, value in run.get(field, {}).items()}
+        run["costs"] = run_costs(run, int(settings["prompts_per_step"]) * int(settings["group_size"]))
     return runs
 
 
@@ -309,7 +330,7 @@ def run_one(
         "sample_mode": mode,
         "tokens": sample_tokens(result.steps),
     }
-    run["costs"] = run_costs(run)
+    run["costs"] = run_costs(run, args.prompts_per_step * args.group_size)
     return run
 
 
@@ -354,13 +375,15 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
                     cells.append(f"{spread(values):>20}")
                 print(f"{rate:>5.0%} {label:<{width}} {step:>4} " + " ".join(cells))
     print(f"\nper sample mode: steps to {TARGET_SUCCESS} held-back success (per seed), costs (mean over seeds)")
-    print(f"{'suite':<6} {'mode':<10} {'arm':<7} {'rate':>5} {'steps to':>14} {'s/step':>7} {'samples':>7} "
-          f"{'tokens/sample':>13} {'max':>6} {'peak GiB':>8}")  # fmt: skip
+    print(f"{'suite':<6} {'mode':<10} {'arm':<7} {'rate':>5} {'steps to':>14} {'updates to':>14} {'s/step':>7} "
+          f"{'samples':>7} {'updates':>7} {'tokens/sample':>13} {'max':>6} {'peak GiB':>8}")  # fmt: skip
     for row in by_mode(runs):
         reached = " ".join("-" if step is None else str(step) for step in row["steps_to_target"])
+        updates = " ".join("-" if n is None else str(n) for n in row["updates_to_target"])
         print(
             f"{row['suite']:<6} {row['sample_mode']:<10} {row['arm']:<7} {row['rate']:>5.0%} {reached:>14} "
-            f"{number_text(row['seconds_per_step'], 7, 1)} {number_text(row['samples_per_step'], 7, 0)} "
+            f"{updates:>14} {number_text(row['seconds_per_step'], 7, 1)} {number_text(row['samples_per_step'], 7, 0)} "
+            f"{number_text(row['updates_per_step'], 7, 1)} "
             f"{number_text(row['tokens_per_sample_mean'], 13, 0)} {number_text(row['tokens_per_sample_max'], 6, 0)} "
             f"{number_text(row['peak_memory_gib'], 8, 1)}"
         )

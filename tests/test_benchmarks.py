@@ -159,13 +159,16 @@ def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sampl
         "training": {1: {"step_s": 10.0}, 2: {"step_s": 20.0}},
         "tokens": tokens,
     }  # fmt: skip
-    costs = module.run_costs(run)
+    costs = module.run_costs(run, mini_batch=16)
     assert costs["steps_to_target"] == 4 and costs["seconds_per_step"] == 15.0
+    # 40 step samples are 3 mini-batches of 16 (the last padded), 16 episodes one: verl's updates per step
+    assert costs["updates_per_step"] == 2.0 and costs["updates_to_target"] == 4
     assert costs["tokens_per_sample_max"] == 920.0 and costs["peak_memory_gib"] == 3.0
     never = {**run, "seed": 1, "evaluated": {0: {"heldback_success": 0.3}}}
     (row,) = module.by_mode([{**run, "costs": costs}, {**never, "costs": module.run_costs(never)}])
     assert (row["suite"], row["sample_mode"], row["arm"], row["rate"]) == ("aisle", "stepwise", "recipe", 0.0)
     assert row["steps_to_target"] == [4, None] and row["seconds_per_step"] == 15.0
+    assert row["updates_to_target"] == [4, None] and row["updates_per_step"] == 2.0  # over the runs that know it
 
 
 def test_a_long_benchmark_runs_without_failures_first_and_resumes_where_it_stopped(tmp_path):
@@ -178,11 +181,12 @@ def test_a_long_benchmark_runs_without_failures_first_and_resumes_where_it_stopp
     assert len(plan) == 2 * 3 + 2 * 3 * 2 and ("stepwise", 0.85, 2, "stock") == plan[-1]
     settings = vars(args) | {"workdir": str(tmp_path), "model": "/m"}
     run = {"arm": "recipe", "seed": 1, "rate": 0.0, "sample_mode": "stepwise", "evaluated": {2: {}, 10: {}},
-           "training": {1: {}}, "tokens": {1: {}}}  # fmt: skip
+           "training": {1: {"step_s": 30.0}}, "tokens": {1: {"samples": 100.0}}, "peak_memory_gib": 7.0}  # fmt: skip
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"settings": settings, "runs": [run]}, default=str))
     (kept,) = module.resumed_runs(report, settings)
     assert module.run_key(kept) in plan and max(kept["evaluated"]) == 10  # a step again, not the text "2"
+    assert kept["costs"]["updates_per_step"] == 2.0  # costs recomputed: 100 step samples, mini-batches of 8 x 8
     assert module.resumed_runs(tmp_path / "absent.json", settings) == []
     with pytest.raises(ValueError, match=r"steps 40 there, 20 now"):
         module.resumed_runs(report, settings | {"steps": 20, "json": "elsewhere"})

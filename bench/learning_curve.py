@@ -284,6 +284,11 @@ def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     return runs
 
 
+def write_report(path: Path, settings: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    report = {"settings": settings, "runs": runs, "by_mode": by_mode(runs)}
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
 def run_one(
     args: argparse.Namespace,
     *,
@@ -586,16 +591,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{number_text(costs['tokens_per_sample_max'], 0, 0)})",
                 flush=True,
             )
-            report = {"settings": settings, "runs": runs, "by_mode": by_mode(runs)}
-            args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
+            write_report(args.json, settings, runs)
+    write_report(args.json, settings, runs)  # a resume with nothing left to run still rewrites the summary
     print_summary(runs)
-    total = (time.monotonic() - started) / 60
+    total = sum(run["minutes"] for run in runs)  # resumed runs included: what the figure shows took this long
     modes = "" if args.sample_mode == ["trajectory"] else f" ({' and '.join(args.sample_mode)} samples)"
     title = (
         f"{args.suite} tasks{modes}, {args.steps} steps x {args.prompts_per_step} tasks x {args.group_size} episodes, "
         f"lr {args.lr}, "
         f"seeds {' '.join(map(str, args.seeds))}, {args.fault_kind} at browser calls, {args.environment} "
-        f"environment; {total:.0f} min in all"
+        f"environment; {len(runs)} runs, {total:.0f} min"
     )
     print(f"\n{title}")
     plot(runs, args.plot, title)

@@ -360,6 +360,73 @@ VLLM_LEARNING_QUOTES: list[Quote] = [
 ]
 QUOTES += VLLM_LEARNING_QUOTES
 
+# ----- the aisle suite in both sample modes (docs/learning-results.md) --------------------------------------------
+
+AISLE = "bench/learning_curve_aisle.json"
+AISLE_STEPS = (0, 2, 4, 6, 10, 20)
+MODE_NAMES = {"trajectory": "one per episode", "stepwise": "one per step"}
+
+
+def aisle_cells(mode: str, rate: float, arm: str) -> tuple[str, dict[str, Value]]:
+    """One row of the aisle learning table: held-back success at each of ``AISLE_STEPS``, mean (min–max) over
+    seeds, browsing at the last, and each seed's steps to 0.8."""
+    runs = f"runs[sample_mode={mode},rate={rate},arm={arm}]"
+    summary = f"by_mode[sample_mode={mode},rate={rate},arm={arm}]"
+    cells, values = [], {}
+    for step in AISLE_STEPS:
+        cells.append(f"{{s{step}}} ({{s{step}min}}–{{s{step}max}})")
+        for reduce in ("mean", "min", "max"):
+            name = f"s{step}" + ("" if reduce == "mean" else reduce)
+            values[name] = V(f"{runs}.evaluated.{step}.heldback_success", "{:.2f}", reduce=reduce)
+    values["browsed"] = V(f"{runs}.evaluated.{AISLE_STEPS[-1]}.heldback_browsed", "{:.0f}", reduce="mean", scale=100)
+    reached = []
+    for seed in range(3):
+        values[f"reach{seed}"] = V(f"{summary}.steps_to_target[{seed}]", "{}")
+        reached.append(f"{{reach{seed}}}")
+    text = (
+        f"| {MODE_NAMES[mode]} | {rate:.0%} | {arm} | " + " | ".join(cells) + " | {browsed} % | " + ", ".join(reached)
+    )
+    return text + " |", values
+
+
+for mode, rate, arm in [("trajectory", 0.0, "recipe"), ("stepwise", 0.0, "recipe")]:
+    row_text, row_values = aisle_cells(mode, rate, arm)
+    quote("docs/learning-results.md", AISLE, row_text, **row_values)
+
+quote(
+    "docs/learning-results.md",
+    AISLE,
+    "held-back success from {start} to 0.8 or more by step\n{reached} in every seed of both modes, every held-back "
+    "episode browsing by the end.",
+    start=V("runs[rate=0].evaluated.0.heldback_success", "{:.2f}", reduce="mean"),
+    reached=V("by_mode[rate=0].steps_to_target[*]", "{}", reduce="max"),
+)
+for mode in ("trajectory", "stepwise"):
+    summary = f"by_mode[sample_mode={mode},rate=0,arm=recipe]"
+    quote(
+        "docs/learning-results.md",
+        AISLE,
+        f"| {MODE_NAMES[mode]} | {{samples}} | {{updates}} | {{tokens}} ({{tokens_max}}) | {{per_step}} | {{seconds}} "
+        "| {reach0}, {reach1}, {reach2} ({up0}, {up1}, {up2}) | {minutes} | {peak} |",
+        samples=V(f"{summary}.samples_per_step", "{:.0f}"),
+        updates=V(f"{summary}.updates_per_step", "{:.1f}"),
+        tokens=V(f"{summary}.tokens_per_sample_mean", "{:,.0f}"),
+        tokens_max=V(f"{summary}.tokens_per_sample_max", "{:,.0f}"),
+        per_step=V(
+            (f"{summary}.samples_per_step", f"{summary}.tokens_per_sample_mean"), "{:,.0f}", formula=lambda n, t: n * t
+        ),
+        seconds=V(f"{summary}.seconds_per_step", "{:.1f}"),
+        **{f"reach{seed}": V(f"{summary}.steps_to_target[{seed}]", "{}") for seed in range(3)},
+        **{f"up{seed}": V(f"{summary}.updates_to_target[{seed}]", "{}") for seed in range(3)},
+        minutes=V(
+            (f"{summary}.steps_to_target[*]", f"{summary}.seconds_per_step"),
+            "{:.1f}",
+            reduce="mean",
+            formula=lambda steps, seconds: steps * seconds / 60,
+        ),
+        peak=V(f"{summary}.peak_memory_gib", "{:.1f}"),
+    )
+
 # ----- benchmarks (docs/benchmarks.md) ----------------------------------------------------------------------------
 
 BENCH = "docs/benchmarks.md"

@@ -401,6 +401,13 @@ quote(
     start=V("runs[rate=0].evaluated.0.heldback_success", "{:.2f}", reduce="mean"),
     reached=V("by_mode[rate=0].steps_to_target[*]", "{}", reduce="max"),
 )
+quote(
+    "README.md",
+    AISLE,
+    "held-back success {start} → 0.8 or\nmore by step {reached} in every seed",
+    start=V("runs[rate=0].evaluated.0.heldback_success", "{:.2f}", reduce="mean"),
+    reached=V("by_mode[rate=0].steps_to_target[*]", "{}", reduce="max"),
+)
 for mode in ("trajectory", "stepwise"):
     summary = f"by_mode[sample_mode={mode},rate=0,arm=recipe]"
     quote(

@@ -190,7 +190,14 @@ def run_costs(run: dict[str, Any], mini_batch: int | None = None) -> dict[str, A
     step samples makes several updates where a step of episodes makes one."""
     seconds = [t["step_s"] for t in run["training"].values() if t.get("step_s") is not None]
     tokens = run.get("tokens", {})
-    means = [t["tokens_per_sample_mean"] for t in tokens.values() if "tokens_per_sample_mean" in t]
+    # the stock arm logs no env/ sample counts: there verl's own mean prompt and response lengths
+    means = [
+        t["tokens_per_sample_mean"]
+        if "tokens_per_sample_mean" in t
+        else t["prompt_length/mean"] + t["response_length/mean"]
+        for t in tokens.values()
+        if "tokens_per_sample_mean" in t or {"prompt_length/mean", "response_length/mean"} <= t.keys()
+    ]
     maxima = [t["prompt_length/max"] + t["response_length/max"] for t in tokens.values() if "response_length/max" in t]
     samples = [t["samples"] for t in tokens.values() if t.get("samples")]
     reached = steps_to(run["evaluated"])

@@ -381,7 +381,9 @@ def aisle_cells(mode: str, rate: float, arm: str) -> tuple[str, dict[str, Value]
     values["browsed"] = V(f"{runs}.evaluated.{AISLE_STEPS[-1]}.heldback_browsed", "{:.0f}", reduce="mean", scale=100)
     reached = []
     for seed in range(3):
-        values[f"reach{seed}"] = V(f"{summary}.steps_to_target[{seed}]", "{}")
+        values[f"reach{seed}"] = V(
+            f"{summary}.steps_to_target[{seed}]", "{}", formula=lambda step: "-" if step is None else step
+        )
         reached.append(f"{{reach{seed}}}")
     text = (
         f"| {MODE_NAMES[mode]} | {rate:.0%} | {arm} | " + " | ".join(cells) + " | {browsed} % | " + ", ".join(reached)
@@ -389,7 +391,9 @@ def aisle_cells(mode: str, rate: float, arm: str) -> tuple[str, dict[str, Value]
     return text + " |", values
 
 
-for mode, rate, arm in [("trajectory", 0.0, "recipe"), ("stepwise", 0.0, "recipe")]:
+AISLE_ROWS = [("trajectory", 0.0, "recipe"), ("stepwise", 0.0, "recipe"), ("trajectory", 0.85, "recipe"),
+              ("trajectory", 0.85, "stock")]  # fmt: skip
+for mode, rate, arm in AISLE_ROWS:
     row_text, row_values = aisle_cells(mode, rate, arm)
     quote("docs/learning-results.md", AISLE, row_text, **row_values)
 
@@ -407,6 +411,48 @@ quote(
     "held-back success {start} → 0.8 or\nmore by step {reached} in every seed",
     start=V("runs[rate=0].evaluated.0.heldback_success", "{:.2f}", reduce="mean"),
     reached=V("by_mode[rate=0].steps_to_target[*]", "{}", reduce="max"),
+)
+RECIPE_85 = "runs[sample_mode=trajectory,rate=0.85,arm=recipe"
+STOCK_85 = "runs[sample_mode=trajectory,rate=0.85,arm=stock]"
+quote(
+    "docs/learning-results.md",
+    AISLE,
+    "stops browsing in every seed (held-back browsing {sb} % at step 20) and\nends at {s20} ({s20min}–{s20max}) "
+    "held-back success, below its start.",
+    sb=V(f"{STOCK_85}.evaluated.20.heldback_browsed", "{:.0f}", reduce="mean", scale=100),
+    s20=V(f"{STOCK_85}.evaluated.20.heldback_success", "{:.2f}", reduce="mean"),
+    s20min=V(f"{STOCK_85}.evaluated.20.heldback_success", "{:.2f}", reduce="min"),
+    s20max=V(f"{STOCK_85}.evaluated.20.heldback_success", "{:.2f}", reduce="max"),
+)
+quote(
+    "docs/learning-results.md",
+    AISLE,
+    "(browsing in {rb} % of the recipe's final training\nepisodes over steps 1–4)",
+    rb=V(
+        tuple(f"{RECIPE_85}].training.{step}.browsed_rate" for step in range(1, 5)),
+        "{:.0f}",
+        reduce="mean",
+        scale=100,
+        formula=lambda *rates: sum(rates) / len(rates),
+    ),
+)
+quote(
+    "docs/learning-results.md",
+    AISLE,
+    "held-back success reached {r1} and {r2} by step 20, while {i1} % and {i2} % of\ntheir final samples at step 20 "
+    "were browsing episodes that failed all 3 attempts",
+    r1=V(f"{RECIPE_85},seed=1].evaluated.20.heldback_success", "{:.2f}"),
+    r2=V(f"{RECIPE_85},seed=2].evaluated.20.heldback_success", "{:.2f}"),
+    i1=V(f"{RECIPE_85},seed=1].training.20.invalid_rate", "{:.0f}", scale=100),
+    i2=V(f"{RECIPE_85},seed=2].training.20.invalid_rate", "{:.0f}", scale=100),
+)
+quote(
+    "docs/learning-results.md",
+    AISLE,
+    "its held-back browsing stayed where it\nstarted ({b0} % → {b20} %) and held-back success at {r0}",
+    b0=V(f"{RECIPE_85},seed=0].evaluated.0.heldback_browsed", "{:.0f}", scale=100),
+    b20=V(f"{RECIPE_85},seed=0].evaluated.20.heldback_browsed", "{:.0f}", scale=100),
+    r0=V(f"{RECIPE_85},seed=0].evaluated.20.heldback_success", "{:.2f}"),
 )
 for mode in ("trajectory", "stepwise"):
     summary = f"by_mode[sample_mode={mode},rate=0,arm=recipe]"

@@ -397,21 +397,20 @@ for mode, rate, arm in AISLE_ROWS:
     row_text, row_values = aisle_cells(mode, rate, arm)
     quote("docs/learning-results.md", AISLE, row_text, **row_values)
 
-quote(
-    "docs/learning-results.md",
-    AISLE,
-    "held-back success from {start} to 0.8 or more by step\n{reached} in every seed of both modes, every held-back "
-    "episode browsing by the end.",
-    start=V("runs[rate=0].evaluated.0.heldback_success", "{:.2f}", reduce="mean"),
-    reached=V("by_mode[rate=0].steps_to_target[*]", "{}", reduce="max"),
-)
-quote(
-    "README.md",
-    AISLE,
-    "held-back success {start} → 0.8 or\nmore by step {reached} in every seed",
-    start=V("runs[rate=0].evaluated.0.heldback_success", "{:.2f}", reduce="mean"),
-    reached=V("by_mode[rate=0].steps_to_target[*]", "{}", reduce="max"),
-)
+# the start and the last seed's step to 0.8 without failures, in both modes: quoted by the README and the page
+AISLE_LEARNED = {
+    "start": V("runs[rate=0].evaluated.0.heldback_success", "{:.2f}", reduce="mean"),
+    "reached": V("by_mode[rate=0].steps_to_target[*]", "{}", reduce="max"),
+}
+for page, text in [
+    (
+        "docs/learning-results.md",
+        "held-back success from {start} to 0.8 or more by step\n{reached} in every seed of both modes, every held-back "
+        "episode browsing by the end.",
+    ),
+    ("README.md", "held-back success {start} → 0.8 or\nmore by step {reached} in every seed"),
+]:
+    quote(page, AISLE, text, **AISLE_LEARNED)
 RECIPE_85 = "runs[sample_mode=trajectory,rate=0.85,arm=recipe"
 STOCK_85 = "runs[sample_mode=trajectory,rate=0.85,arm=stock]"
 quote(

@@ -269,6 +269,12 @@ def run_key(run: dict[str, Any]) -> tuple[str, float, int, str]:
     return (run.get("sample_mode", "trajectory"), run["rate"], run["seed"], run["arm"])
 
 
+def same_weights(one: Path, other: Path) -> bool:
+    """Two policy folders with the same ``SHA256SUMS`` (the shipped policies' weights): one policy in two checkouts."""
+    sums = [folder / "SHA256SUMS" for folder in (one, other)]
+    return all(path.is_file() for path in sums) and sums[0].read_bytes() == sums[1].read_bytes()
+
+
 def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The runs a benchmark wrote to ``path`` before it stopped, checked to come from the same settings (a run is
     kept whatever the rates, seeds, arms or modes asked now: it is measured). JSON turned the step keys into text:
@@ -280,7 +286,12 @@ def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
         previous, runs = report["settings"], report["runs"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--resume: {path} is not a learning_curve.py report ({exc})") from None
-    differing = [key for key in RUN_SETTINGS if str(previous.get(key)) != str(settings[key])]
+    differing = [
+        key
+        for key in RUN_SETTINGS
+        if str(previous.get(key)) != str(settings[key])
+        and not (key == "model" and same_weights(Path(str(previous.get(key))), Path(str(settings[key]))))
+    ]
     if differing:
         shown = ", ".join(f"{key} {previous.get(key)!r} there, {settings[key]!r} now" for key in differing)
         raise ValueError(f"--resume: {path} was measured with other settings ({shown}); give another --json")

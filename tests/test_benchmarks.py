@@ -190,6 +190,13 @@ def test_a_long_benchmark_runs_without_failures_first_and_resumes_where_it_stopp
     assert module.run_key(kept) in plan and max(kept["evaluated"]) == 10  # a step again, not the text "2"
     assert kept["costs"]["updates_per_step"] == 2.0  # costs recomputed: 100 step samples, mini-batches of 8 x 8
     assert module.resumed_runs(tmp_path / "absent.json", settings) == []
+    for folder, weights in (("a", b"1 w"), ("b", b"1 w"), ("c", b"2 w")):  # one policy in two checkouts, another
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "SHA256SUMS").write_bytes(weights)
+    report.write_text(json.dumps({"settings": settings | {"model": str(tmp_path / "a")}, "runs": [run]}, default=str))
+    assert len(module.resumed_runs(report, settings | {"model": str(tmp_path / "b")})) == 1
+    with pytest.raises(ValueError, match=r"model .* there, .* now"):
+        module.resumed_runs(report, settings | {"model": str(tmp_path / "c")})
     with pytest.raises(ValueError, match=r"steps 40 there, 20 now"):
         module.resumed_runs(report, settings | {"steps": 20, "json": "elsewhere"})
     report.write_text("[1, 2]")

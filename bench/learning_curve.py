@@ -207,7 +207,9 @@ def run_costs(run: dict[str, Any], mini_batch: int | None = None) -> dict[str, A
     return {
         "steps_to_target": reached,
         "updates_per_step": sum(updates.values()) / len(updates) if updates else None,
-        "updates_to_target": sum(n for step, n in updates.items() if step <= reached) if updates and reached else None,
+        "updates_to_target": (
+            sum(n for step, n in updates.items() if step <= reached) if updates and reached is not None else None
+        ),
         "seconds_per_step": sum(seconds) / len(seconds) if seconds else None,
         "tokens_per_sample_mean": sum(means) / len(means) if means else None,
         "tokens_per_sample_max": max(maxima) if maxima else None,

@@ -163,6 +163,8 @@ def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sampl
     assert costs["steps_to_target"] == 4 and costs["seconds_per_step"] == 15.0
     # 40 step samples are 3 mini-batches of 16 (the last padded), 16 episodes one: verl's updates per step
     assert costs["updates_per_step"] == 2.0 and costs["updates_to_target"] == 4
+    at_start = module.run_costs({**run, "evaluated": {0: {"heldback_success": 0.9}}}, mini_batch=16)
+    assert at_start["steps_to_target"] == 0 and at_start["updates_to_target"] == 0  # there before any update
     assert costs["tokens_per_sample_max"] == 920.0 and costs["peak_memory_gib"] == 3.0
     stock = module.run_costs({**run, "tokens": {1: {"prompt_length/mean": 600.0, "response_length/mean": 50.0}}})
     assert stock["tokens_per_sample_mean"] == 650.0 and stock["samples_per_step"] is None  # no env/ counts logged

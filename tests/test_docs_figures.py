@@ -411,7 +411,13 @@ for page, text in [
     ("README.md", "held-back success {start} → 0.8 or\nmore by step {reached} in every seed"),
 ]:
     quote(page, AISLE, text, **AISLE_LEARNED)
-RECIPE_85 = "runs[sample_mode=trajectory,rate=0.85,arm=recipe"
+
+
+def recipe_85(seed: int | None = None) -> str:
+    """The recipe's runs at 85 %, one sample per episode: every seed's, or one seed's."""
+    return "runs[sample_mode=trajectory,rate=0.85,arm=recipe" + ("]" if seed is None else f",seed={seed}]")
+
+
 STOCK_85 = "runs[sample_mode=trajectory,rate=0.85,arm=stock]"
 quote(
     "docs/learning-results.md",
@@ -428,7 +434,7 @@ quote(
     AISLE,
     "(browsing in {rb} % of the recipe's final training\nepisodes over steps 1–4)",
     rb=V(
-        tuple(f"{RECIPE_85}].training.{step}.browsed_rate" for step in range(1, 5)),
+        tuple(f"{recipe_85()}.training.{step}.browsed_rate" for step in range(1, 5)),
         "{:.0f}",
         reduce="mean",
         scale=100,
@@ -440,18 +446,18 @@ quote(
     AISLE,
     "held-back success reached {r1} and {r2} by step 20, while {i1} % and {i2} % of\ntheir final samples at step 20 "
     "were browsing episodes that failed all 3 attempts",
-    r1=V(f"{RECIPE_85},seed=1].evaluated.20.heldback_success", "{:.2f}"),
-    r2=V(f"{RECIPE_85},seed=2].evaluated.20.heldback_success", "{:.2f}"),
-    i1=V(f"{RECIPE_85},seed=1].training.20.invalid_rate", "{:.0f}", scale=100),
-    i2=V(f"{RECIPE_85},seed=2].training.20.invalid_rate", "{:.0f}", scale=100),
+    r1=V(f"{recipe_85(1)}.evaluated.20.heldback_success", "{:.2f}"),
+    r2=V(f"{recipe_85(2)}.evaluated.20.heldback_success", "{:.2f}"),
+    i1=V(f"{recipe_85(1)}.training.20.invalid_rate", "{:.0f}", scale=100),
+    i2=V(f"{recipe_85(2)}.training.20.invalid_rate", "{:.0f}", scale=100),
 )
 quote(
     "docs/learning-results.md",
     AISLE,
     "its held-back browsing stayed where it\nstarted ({b0} % → {b20} %) and held-back success at {r0}",
-    b0=V(f"{RECIPE_85},seed=0].evaluated.0.heldback_browsed", "{:.0f}", scale=100),
-    b20=V(f"{RECIPE_85},seed=0].evaluated.20.heldback_browsed", "{:.0f}", scale=100),
-    r0=V(f"{RECIPE_85},seed=0].evaluated.20.heldback_success", "{:.2f}"),
+    b0=V(f"{recipe_85(0)}.evaluated.0.heldback_browsed", "{:.0f}", scale=100),
+    b20=V(f"{recipe_85(0)}.evaluated.20.heldback_browsed", "{:.0f}", scale=100),
+    r0=V(f"{recipe_85(0)}.evaluated.20.heldback_success", "{:.2f}"),
 )
 for mode in ("trajectory", "stepwise"):
     summary = f"by_mode[sample_mode={mode},rate=0,arm=recipe]"

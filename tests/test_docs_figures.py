@@ -392,7 +392,7 @@ def aisle_cells(mode: str, rate: float, arm: str) -> tuple[str, dict[str, Value]
 
 
 AISLE_ROWS = [("trajectory", 0.0, "recipe"), ("stepwise", 0.0, "recipe"), ("trajectory", 0.85, "recipe"),
-              ("trajectory", 0.85, "stock")]  # fmt: skip
+              ("trajectory", 0.85, "stock"), ("stepwise", 0.85, "recipe"), ("stepwise", 0.85, "stock")]  # fmt: skip
 for mode, rate, arm in AISLE_ROWS:
     row_text, row_values = aisle_cells(mode, rate, arm)
     quote("docs/learning-results.md", AISLE, row_text, **row_values)
@@ -459,6 +459,45 @@ quote(
     b20=V(f"{recipe_85(0)}.evaluated.20.heldback_browsed", "{:.0f}", scale=100),
     r0=V(f"{recipe_85(0)}.evaluated.20.heldback_success", "{:.2f}"),
 )
+
+
+def survivors(mode: str, seed: int, steps: range) -> Value:
+    """How many of a recipe run's final training episodes at 85 % browsed and were not failed, over ``steps``:
+    browsing minus invalid share (only a browsing episode can fail) times the episodes per step."""
+    run = f"runs[sample_mode={mode},rate=0.85,arm=recipe,seed={seed}]"
+    paths = tuple(f"{run}.training.{step}.{rate}" for step in steps for rate in ("browsed_rate", "invalid_rate"))
+
+    def count(*values: float) -> float:
+        *rates, prompts, group = values
+        return (sum(rates[0::2]) - sum(rates[1::2])) * prompts * group
+
+    return V((*paths, "settings.prompts_per_step", "settings.group_size"), "{:.0f}", formula=count)
+
+
+STEPWISE_85 = "runs[sample_mode=stepwise,rate=0.85,arm={arm}]"
+quote(
+    "docs/learning-results.md",
+    AISLE,
+    "only {w0}, {w1} and {w2} browsing episodes got\nthrough in the three step-wise seeds, against {t0}, {t1} and {t2} "
+    "with one sample per episode ({e0}, {e1} and {e2} of them in the\nfirst 10 steps",
+    **{f"w{seed}": survivors("stepwise", seed, range(1, 21)) for seed in range(3)},
+    **{f"t{seed}": survivors("trajectory", seed, range(1, 21)) for seed in range(3)},
+    **{f"e{seed}": survivors("trajectory", seed, range(1, 11)) for seed in range(3)},
+)
+quote(
+    "docs/learning-results.md",
+    AISLE,
+    "(held-back success {r} ({rmin}–{rmax}) at step 20, held-back browsing {rb} %),\nwhile stock GRPO, one sample per "
+    "step, stopped browsing here too ({sb} %) and ended at\n{s} ({smin}–{smax}).",
+    **{
+        f"{name}{suffix}": V(f"{STEPWISE_85.format(arm=arm)}.evaluated.20.heldback_success", "{:.2f}", reduce=reduce)
+        for name, arm in (("r", "recipe"), ("s", "stock"))
+        for suffix, reduce in (("", "mean"), ("min", "min"), ("max", "max"))
+    },
+    rb=V(f"{STEPWISE_85.format(arm='recipe')}.evaluated.20.heldback_browsed", "{:.0f}", reduce="mean", scale=100),
+    sb=V(f"{STEPWISE_85.format(arm='stock')}.evaluated.20.heldback_browsed", "{:.0f}", reduce="mean", scale=100),
+)
+
 for mode in ("trajectory", "stepwise"):
     summary = f"by_mode[sample_mode={mode},rate=0,arm=recipe]"
     quote(

@@ -10,11 +10,11 @@ marks), with its own warm-started policy (``local/aisle_policy``).
 
 ``--sample-mode``: one sample per episode (``trajectory``, verl's default) or one per policy step (``stepwise``:
 ``nemo_gym_browser.stepwise.enabled``); each mode listed runs every arm, seed and rate. Per run it records steps to
-0.8 held-back success, seconds per step, tokens per sample (the mean, from verl's ``perf/total_num_tokens`` over
-the step's samples; the max as the longest prompt plus the longest response of a step, verl's ``prompt_length`` and
-``response_length``), optimizer updates per step and to 0.8 (verl's V1 trainer makes one per ``ppo_mini_batch_size``
-x ``rollout.n`` samples: several per step in step-wise mode) and peak memory, and per suite, mode, arm and rate
-their summary (``by_mode``).
+0.8 held-back success and the training minutes they took, seconds per step, tokens per sample (the mean, from verl's
+``perf/total_num_tokens`` over the step's samples; the max as the longest prompt plus the longest response of a step,
+verl's ``prompt_length`` and ``response_length``), optimizer updates per step and to 0.8 (verl's V1 trainer makes
+one per ``ppo_mini_batch_size`` x ``rollout.n`` samples: several per step in step-wise mode) and peak memory, and per
+suite, mode, arm and rate their summary (``by_mode``).
 
 Two arms, the same policy, tasks and seed:
 
@@ -183,7 +183,9 @@ LENGTH_KEYS = ("prompt_length/mean", "prompt_length/max", "response_length/mean"
 
 def run_costs(run: dict[str, Any], mini_batch: int | None = None) -> dict[str, Any]:
     """What a run cost: seconds per training step, tokens per sample (mean; max = the longest prompt plus the
-    longest response of any step, which one sample reaches when it holds both), peak memory; and steps to 0.8.
+    longest response of any step, which one sample reaches when it holds both), peak memory; steps to 0.8 and the
+    training minutes they took (their steps' own times, validation excluded: early steps of a policy that browses
+    little are shorter than the mean).
 
     With ``mini_batch`` (verl's ``ppo_mini_batch_size`` x ``rollout.n``, in samples) also the optimizer updates: verl's
     V1 trainer cuts a step's samples into mini-batches of that many, padding the last, one update each, so a step of
@@ -211,6 +213,11 @@ def run_costs(run: dict[str, Any], mini_batch: int | None = None) -> dict[str, A
             sum(n for step, n in updates.items() if step <= reached) if updates and reached is not None else None
         ),
         "seconds_per_step": sum(seconds) / len(seconds) if seconds else None,
+        "minutes_to_target": (
+            sum(t.get("step_s") or 0.0 for step, t in run["training"].items() if step <= reached) / 60
+            if reached is not None
+            else None
+        ),
         "tokens_per_sample_mean": sum(means) / len(means) if means else None,
         "tokens_per_sample_max": max(maxima) if maxima else None,
         "samples_per_step": sum(samples) / len(samples) if samples else None,
@@ -236,6 +243,7 @@ def by_mode(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tokens_per_sample_mean",
             "samples_per_step",
             "updates_per_step",
+            "minutes_to_target",
             "peak_memory_gib",
         ):
             values = [cost[key] for cost in costs if cost.get(key) is not None]
@@ -401,13 +409,14 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
                 print(f"{rate:>5.0%} {label:<{width}} {step:>4} " + " ".join(cells))
     print(f"\nper sample mode: steps to {TARGET_SUCCESS} held-back success (per seed), costs (mean over seeds)")
     print(f"{'suite':<6} {'mode':<10} {'arm':<7} {'rate':>5} {'steps to':>14} {'updates to':>14} {'s/step':>7} "
-          f"{'samples':>7} {'updates':>7} {'tokens/sample':>13} {'max':>6} {'peak GiB':>8}")  # fmt: skip
+          f"{'min to':>6} {'samples':>7} {'updates':>7} {'tokens/sample':>13} {'max':>6} {'peak GiB':>8}")  # fmt: skip
     for row in by_mode(runs):
         reached = " ".join("-" if step is None else str(step) for step in row["steps_to_target"])
         updates = " ".join("-" if n is None else str(n) for n in row["updates_to_target"])
         print(
             f"{row['suite']:<6} {row['sample_mode']:<10} {row['arm']:<7} {row['rate']:>5.0%} {reached:>14} "
-            f"{updates:>14} {number_text(row['seconds_per_step'], 7, 1)} {number_text(row['samples_per_step'], 7, 0)} "
+            f"{updates:>14} {number_text(row['seconds_per_step'], 7, 1)} {number_text(row['minutes_to_target'], 6, 1)} "
+            f"{number_text(row['samples_per_step'], 7, 0)} "
             f"{number_text(row['updates_per_step'], 7, 1)} "
             f"{number_text(row['tokens_per_sample_mean'], 13, 0)} {number_text(row['tokens_per_sample_max'], 6, 0)} "
             f"{number_text(row['peak_memory_gib'], 8, 1)}"

@@ -161,6 +161,7 @@ def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sampl
     }  # fmt: skip
     costs = module.run_costs(run, mini_batch=16)
     assert costs["steps_to_target"] == 4 and costs["seconds_per_step"] == 15.0
+    assert costs["minutes_to_target"] == 0.5  # the steps' own 10 + 20 s
     # 40 step samples are 3 mini-batches of 16 (the last padded), 16 episodes one: verl's updates per step
     assert costs["updates_per_step"] == 2.0 and costs["updates_to_target"] == 4
     at_start = module.run_costs({**run, "evaluated": {0: {"heldback_success": 0.9}}}, mini_batch=16)
@@ -173,6 +174,7 @@ def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sampl
     assert (row["suite"], row["sample_mode"], row["arm"], row["rate"]) == ("aisle", "stepwise", "recipe", 0.0)
     assert row["steps_to_target"] == [4, None] and row["seconds_per_step"] == 15.0
     assert row["updates_to_target"] == [4, None] and row["updates_per_step"] == 2.0  # over the runs that know it
+    assert row["minutes_to_target"] == 0.5  # over the runs that reached it
 
 
 def test_a_long_benchmark_runs_without_failures_first_and_resumes_where_it_stopped(tmp_path):

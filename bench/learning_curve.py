@@ -299,11 +299,11 @@ def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     differing = [
         key
         for key in RUN_SETTINGS
-        if str(previous.get(key)) != str(settings[key])
-        and not (key == "model" and same_weights(Path(str(previous.get(key))), Path(str(settings[key]))))
+        if str(previous.get(key)) != str(settings.get(key))
+        and not (key == "model" and same_weights(Path(str(previous.get(key))), Path(str(settings.get(key)))))
     ]
     if differing:
-        shown = ", ".join(f"{key} {previous.get(key)!r} there, {settings[key]!r} now" for key in differing)
+        shown = ", ".join(f"{key} {previous.get(key)!r} there, {settings.get(key)!r} now" for key in differing)
         raise ValueError(f"--resume: {path} was measured with other settings ({shown}); give another --json")
     for run in runs:
         for field in ("evaluated", "training", "tokens"):
@@ -551,8 +551,47 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs --json already holds (same settings) and run only the missing ones: a "
                         "benchmark longer than a session, stopped, goes on where it stopped")  # fmt: skip
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: rewrite --json's summary, print its tables and draw --plot from the runs "
+                        "it holds (a replot, or a look at a benchmark still running; --resume would run what is "
+                        "missing)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run (%(default)s)")
     return parser
+
+
+def report(path: Path, plot_path: Path, settings: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """Writes the JSON report, prints the summary tables and draws the plot, titled from the settings and from the
+    runs themselves (resumed ones included: the figure shows what took this long)."""
+    write_report(path, settings, runs)
+    print_summary(runs)
+    total = sum(run["minutes"] for run in runs)
+    modes = list(dict.fromkeys(run.get("sample_mode", "trajectory") for run in runs))
+    seeds = sorted({run["seed"] for run in runs})
+    title = (
+        f"{settings.get('suite', 'deal')} tasks"
+        + ("" if modes == ["trajectory"] else f" ({' and '.join(modes)} samples)")
+        + f", {settings['steps']} steps x {settings['prompts_per_step']} tasks x {settings['group_size']} episodes, "
+        f"lr {settings['lr']}, seeds {' '.join(map(str, seeds))}, {settings['fault_kind']} at browser calls, "
+        f"{settings['environment']} environment; {len(runs)} runs, {total:.0f} min"
+    )
+    print(f"\n{title}")
+    plot(runs, plot_path, title)
+    print(f"wrote {plot_path} and {path}")
+
+
+def report_only(args: argparse.Namespace) -> int:
+    """``--report-only``: the report of the runs ``--json`` holds, with its own settings; nothing runs."""
+    try:
+        settings = json.loads(args.json.read_text())["settings"]
+        runs = resumed_runs(args.json, settings)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"learning_curve.py: error: --report-only: {args.json}: {exc}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"learning_curve.py: error: --report-only: {args.json} holds no runs", file=sys.stderr)
+        return 2
+    report(args.json, args.plot, settings, runs)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -568,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"learning_curve.py: error: {problem}", file=sys.stderr)
         return 2
+    if args.report_only:
+        return report_only(args)
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(header("learning curve: the recipe vs stock GRPO, browser calls failing"), flush=True)
@@ -621,19 +662,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             write_report(args.json, settings, runs)
-    write_report(args.json, settings, runs)  # a resume with nothing left to run still rewrites the summary
-    print_summary(runs)
-    total = sum(run["minutes"] for run in runs)  # resumed runs included: what the figure shows took this long
-    modes = "" if args.sample_mode == ["trajectory"] else f" ({' and '.join(args.sample_mode)} samples)"
-    title = (
-        f"{args.suite} tasks{modes}, {args.steps} steps x {args.prompts_per_step} tasks x {args.group_size} episodes, "
-        f"lr {args.lr}, "
-        f"seeds {' '.join(map(str, args.seeds))}, {args.fault_kind} at browser calls, {args.environment} "
-        f"environment; {len(runs)} runs, {total:.0f} min"
-    )
-    print(f"\n{title}")
-    plot(runs, args.plot, title)
-    print(f"wrote {args.plot} and {args.json}")
+    report(args.json, args.plot, settings, runs)  # a resume with nothing left to run still rewrites the summary
     return 0
 
 

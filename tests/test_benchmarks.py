@@ -177,6 +177,35 @@ def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sampl
     assert row["minutes_to_target"] == 0.5  # over the runs that reached it
 
 
+def test_report_only_redraws_a_benchmark_from_its_json_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    module = load("learning_curve")
+    monkeypatch.setattr(module, "run_one", lambda *a, **k: pytest.fail("--report-only ran a training run"))
+    monkeypatch.setattr(module.tr, "shop_environment", lambda *a: pytest.fail("--report-only started a shop"))
+    stored = json.loads((BENCH / "learning_curve_aisle.json").read_text())
+    runs = [run for run in stored["runs"] if run["sample_mode"] == "stepwise" and run["rate"] == 0]  # 3 of 18
+    report, plot = tmp_path / "report.json", tmp_path / "curve.png"
+    report.write_text(json.dumps({"settings": stored["settings"], "runs": runs}))
+
+    assert module.main(["--report-only", "--json", str(report), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "aisle tasks (stepwise samples), 20 steps x 8 tasks x 8 episodes" in out
+        and "seeds 0 1 2, " in out
+        and "; 3 runs" in out
+    )
+    assert plot.stat().st_size > 0
+    written = json.loads(report.read_text())
+    assert written["settings"] == stored["settings"] and len(written["runs"]) == 3
+    (row,) = written["by_mode"]
+    assert row["steps_to_target"] == [4, 4, 4]
+
+    report.write_text(json.dumps({"settings": stored["settings"], "runs": []}))
+    assert module.main(["--report-only", "--json", str(report)]) == 2
+    assert "holds no runs" in capsys.readouterr().err
+    assert module.main(["--report-only", "--json", str(tmp_path / "absent.json")]) == 2
+    assert "absent.json" in capsys.readouterr().err
+
+
 def test_a_long_benchmark_runs_without_failures_first_and_resumes_where_it_stopped(tmp_path):
     module, args = learning_curve_args(
         tmp_path, "--suite", "aisle", "--sample-mode", "trajectory", "stepwise", "--steps", "40"

@@ -367,18 +367,34 @@ AISLE_STEPS = (0, 2, 4, 6, 10, 20)
 MODE_NAMES = {"trajectory": "one per episode", "stepwise": "one per step"}
 
 
-def aisle_cells(mode: str, rate: float, arm: str) -> tuple[str, dict[str, Value]]:
-    """One row of the aisle learning table: held-back success at each of ``AISLE_STEPS``, mean (min–max) over
-    seeds, browsing at the last, and each seed's steps to 0.8."""
+def aisle_cells(
+    mode: str, rate: float, arm: str, steps: tuple[int, ...] = AISLE_STEPS, last_three: bool = False
+) -> tuple[str, dict[str, Value]]:
+    """One row of an aisle learning table: held-back success at each of ``steps``, mean (min–max) over seeds (with
+    ``last_three``, then over the last three evaluations, each run's own mean), browsing at the last step, and each
+    seed's steps to 0.8."""
     runs = f"runs[sample_mode={mode},rate={rate},arm={arm}]"
     summary = f"by_mode[sample_mode={mode},rate={rate},arm={arm}]"
     cells, values = [], {}
-    for step in AISLE_STEPS:
+    for step in steps:
         cells.append(f"{{s{step}}} ({{s{step}min}}–{{s{step}max}})")
         for reduce in ("mean", "min", "max"):
             name = f"s{step}" + ("" if reduce == "mean" else reduce)
             values[name] = V(f"{runs}.evaluated.{step}.heldback_success", "{:.2f}", reduce=reduce)
-    values["browsed"] = V(f"{runs}.evaluated.{AISLE_STEPS[-1]}.heldback_browsed", "{:.0f}", reduce="mean", scale=100)
+    if last_three:  # evaluations every 2 steps: the last three are the final step and the two before
+        cells.append("{last} ({lastmin}–{lastmax})")
+        ends = tuple(
+            f"runs[sample_mode={mode},rate={rate},arm={arm},seed={seed}].evaluated.{step}.heldback_success"
+            for seed in range(3)
+            for step in (steps[-1] - 4, steps[-1] - 2, steps[-1])
+        )
+
+        def over_seeds(reduce: Callable[[list[float]], float]) -> Callable[..., float]:
+            return lambda *values: reduce([statistics.fmean(values[k : k + 3]) for k in range(0, len(values), 3)])
+
+        for name, reduce in (("last", statistics.fmean), ("lastmin", min), ("lastmax", max)):
+            values[name] = V(ends, "{:.2f}", formula=over_seeds(reduce))
+    values["browsed"] = V(f"{runs}.evaluated.{steps[-1]}.heldback_browsed", "{:.0f}", reduce="mean", scale=100)
     reached = []
     for seed in range(3):
         values[f"reach{seed}"] = V(

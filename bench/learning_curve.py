@@ -546,7 +546,7 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--environment", choices=("fake", "real"), default="fake",
                         help="the fake interactive_browser (default) or nemo-gym 0.7.0 with Chromium")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/nemo-gym-browser-learning-curve"))
-    parser.add_argument("--plot", type=Path, default=HERE / "learning_curve.png")
+    parser.add_argument("--plot", type=Path, default=None, help="the figure (default: --json with .png)")
     parser.add_argument("--json", type=Path, default=HERE / "learning_curve.json")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs --json already holds (same settings) and run only the missing ones: a "
@@ -597,6 +597,8 @@ def report_only(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.plot is None:  # beside its JSON: a report of one benchmark never redraws another's figure
+        args.plot = args.json.with_suffix(".png")
     problem = None
     if any(not 0.0 <= rate < 1.0 for rate in args.rates):
         problem = "--rates must be in [0, 1)"

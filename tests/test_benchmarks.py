@@ -199,6 +199,8 @@ def test_report_only_redraws_a_benchmark_from_its_json_and_runs_nothing(tmp_path
     (row,) = written["by_mode"]
     assert row["steps_to_target"] == [4, 4, 4]
 
+    assert module.main(["--report-only", "--json", str(report)]) == 0
+    assert report.with_suffix(".png").stat().st_size > 0  # without --plot: beside its JSON, not the default's
     report.write_text(json.dumps({"settings": stored["settings"], "runs": []}))
     assert module.main(["--report-only", "--json", str(report)]) == 2
     assert "holds no runs" in capsys.readouterr().err

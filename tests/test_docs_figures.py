@@ -367,12 +367,19 @@ AISLE_STEPS = (0, 2, 4, 6, 10, 20)
 MODE_NAMES = {"trajectory": "one per episode", "stepwise": "one per step"}
 
 
+def last_three(runs: tuple[str, ...], final: int, reduce: Callable[[list[float]], float] = statistics.fmean) -> Value:
+    """Held-back success over the last three evaluations (``final`` and the two before: every 2 steps), each run's
+    own mean, then ``reduce`` over ``runs`` (one key path per run)."""
+    paths = tuple(f"{run}.evaluated.{step}.heldback_success" for run in runs for step in (final - 4, final - 2, final))
+    return V(paths, "{:.2f}", formula=lambda *v: reduce([statistics.fmean(v[k : k + 3]) for k in range(0, len(v), 3)]))
+
+
 def aisle_cells(
-    mode: str, rate: float, arm: str, steps: tuple[int, ...] = AISLE_STEPS, last_three: bool = False
+    mode: str, rate: float, arm: str, steps: tuple[int, ...] = AISLE_STEPS, with_last_three: bool = False
 ) -> tuple[str, dict[str, Value]]:
-    """One row of an aisle learning table: held-back success at each of ``steps``, mean (min–max) over seeds (with
-    ``last_three``, then over the last three evaluations, each run's own mean), browsing at the last step, and each
-    seed's steps to 0.8."""
+    """One row of an aisle learning table: held-back success at each of ``steps``, mean (min–max) over seeds
+    (``with_last_three``: and over the last three evaluations, :func:`last_three`), browsing at the last step, and
+    each seed's steps to 0.8."""
     runs = f"runs[sample_mode={mode},rate={rate},arm={arm}]"
     summary = f"by_mode[sample_mode={mode},rate={rate},arm={arm}]"
     cells, values = [], {}
@@ -381,19 +388,11 @@ def aisle_cells(
         for reduce in ("mean", "min", "max"):
             name = f"s{step}" + ("" if reduce == "mean" else reduce)
             values[name] = V(f"{runs}.evaluated.{step}.heldback_success", "{:.2f}", reduce=reduce)
-    if last_three:  # evaluations every 2 steps: the last three are the final step and the two before
+    if with_last_three:
         cells.append("{last} ({lastmin}–{lastmax})")
-        ends = tuple(
-            f"runs[sample_mode={mode},rate={rate},arm={arm},seed={seed}].evaluated.{step}.heldback_success"
-            for seed in range(3)
-            for step in (steps[-1] - 4, steps[-1] - 2, steps[-1])
-        )
-
-        def over_seeds(reduce: Callable[[list[float]], float]) -> Callable[..., float]:
-            return lambda *values: reduce([statistics.fmean(values[k : k + 3]) for k in range(0, len(values), 3)])
-
+        seeds = tuple(f"runs[sample_mode={mode},rate={rate},arm={arm},seed={seed}]" for seed in range(3))
         for name, reduce in (("last", statistics.fmean), ("lastmin", min), ("lastmax", max)):
-            values[name] = V(ends, "{:.2f}", formula=over_seeds(reduce))
+            values[name] = last_three(seeds, steps[-1], reduce)
     values["browsed"] = V(f"{runs}.evaluated.{steps[-1]}.heldback_browsed", "{:.0f}", reduce="mean", scale=100)
     reached = []
     for seed in range(3):
@@ -442,8 +441,11 @@ def survivors(mode: str, seed: int, steps: range, none: str | None = None) -> Va
     """How many of a recipe run's kept training episodes at 85 % browsed and no failure hit, over ``steps``: the
     browsing share minus the invalid share (only a browsing episode can fail) times the episodes per step; ``none``
     is the word the page uses for a count of 0."""
-    run = f"runs[sample_mode={mode},rate=0.85,arm=recipe,seed={seed}]"
-    paths = tuple(f"{run}.training.{step}.{rate}" for step in steps for rate in ("browsed_rate", "invalid_rate"))
+    paths = tuple(
+        f"{at_85(mode, 'recipe', seed)}.training.{step}.{rate}"
+        for step in steps
+        for rate in ("browsed_rate", "invalid_rate")
+    )
 
     def count(*values: float) -> float | str:
         *rates, prompts, group = values
@@ -453,14 +455,9 @@ def survivors(mode: str, seed: int, steps: range, none: str | None = None) -> Va
     return V((*paths, "settings.prompts_per_step", "settings.group_size"), "{}", formula=count)
 
 
-def last_three(runs: str) -> Value:
-    """Held-back success over the last three evaluations (steps 16, 18 and 20), mean over ``runs``."""
-    return V(
-        tuple(f"{runs}.evaluated.{step}.heldback_success" for step in (16, 18, 20)),
-        "{:.2f}",
-        reduce="mean",
-        formula=lambda *values: sum(values) / len(values),
-    )
+def seeds_85(mode: str, arm: str) -> tuple[str, ...]:
+    """Each seed's run at 85 %, one key path per run (for :func:`last_three`)."""
+    return tuple(at_85(mode, arm, seed) for seed in range(3))
 
 
 STOCK_85 = at_85("trajectory", "stock")
@@ -478,8 +475,8 @@ quote(
     "docs/learning-results.md",
     AISLE,
     "over the last three (steps 16–20) stock GRPO averages\n{t} with one sample per episode and {w} with one per step",
-    t=last_three(STOCK_85),
-    w=last_three(at_85("stepwise", "stock")),
+    t=last_three(seeds_85("trajectory", "stock"), 20),
+    w=last_three(seeds_85("stepwise", "stock"), 20),
 )
 quote(
     "docs/learning-results.md",
@@ -548,7 +545,7 @@ quote(
         for name, runs in (("r", STEPWISE_RECIPE_85), ("s", STEPWISE_STOCK_85))
         for suffix, reduce in (("", "mean"), ("min", "min"), ("max", "max"))
     },
-    r3=last_three(STEPWISE_RECIPE_85),
+    r3=last_three(seeds_85("stepwise", "recipe"), 20),
     **{
         f"b{seed}": V(f"{at_85('stepwise', 'recipe', seed)}.evaluated.20.heldback_browsed", "{:.0f}", scale=100)
         for seed in range(3)
@@ -560,25 +557,8 @@ quote(
 AISLE_40 = "bench/learning_curve_aisle_85_40steps.json"
 AISLE_40_STEPS = (0, 10, 20, 30, 40)
 for mode, arm in (("trajectory", "recipe"), ("trajectory", "stock"), ("stepwise", "recipe"), ("stepwise", "stock")):
-    row_text, row_values = aisle_cells(mode, 0.85, arm, steps=AISLE_40_STEPS, last_three=True)
+    row_text, row_values = aisle_cells(mode, 0.85, arm, steps=AISLE_40_STEPS, with_last_three=True)
     quote("docs/learning-results.md", AISLE_40, row_text, **row_values)
-
-
-def last_three_40(mode: str, arm: str, seed: int) -> Value:
-    """One 40-step run's held-back success over its last three evaluations."""
-    paths = tuple(f"{at_85(mode, arm, seed)}.evaluated.{step}.heldback_success" for step in (36, 38, 40))
-    return V(paths, "{:.2f}", formula=lambda *values: sum(values) / len(values))
-
-
-def stock_last_three_40(reduce: Callable[[list[float]], float]) -> Value:
-    """Stock GRPO's runs over their last three evaluations, both modes: ``reduce`` over the six runs' means."""
-    paths = tuple(
-        f"{at_85(mode, 'stock', seed)}.evaluated.{step}.heldback_success"
-        for mode in ("trajectory", "stepwise")
-        for seed in range(3)
-        for step in (36, 38, 40)
-    )
-    return V(paths, "{:.2f}", formula=lambda *v: reduce([statistics.fmean(v[k : k + 3]) for k in range(0, len(v), 3)]))
 
 
 TRAJECTORY_40 = "by_mode[sample_mode=trajectory,rate=0.85,arm=recipe]"
@@ -588,7 +568,7 @@ quote(
     "With one sample per episode all three recipe seeds learned the two-call route (0.8 passed at steps {t0}, {t1} "
     "and\n{t2}; held-back success {l0}, {l1} and {l2} over the last three evaluations).",
     **{f"t{seed}": V(f"{TRAJECTORY_40}.steps_to_target[{seed}]", "{}") for seed in range(3)},
-    **{f"l{seed}": last_three_40("trajectory", "recipe", seed) for seed in range(3)},
+    **{f"l{seed}": last_three((at_85("trajectory", "recipe", seed),), 40) for seed in range(3)},
 )
 quote(
     "docs/learning-results.md",
@@ -597,7 +577,7 @@ quote(
     "evaluations), after {e1} and {e2} browsing episodes got through in their first 10 steps; the third, with {e0}, "
     "stayed\nnear its start ({l0}, held-back browsing {b0} % at step 40).",
     **{f"w{seed}": V(f"by_mode[sample_mode=stepwise,rate=0.85,arm=recipe].steps_to_target[{seed}]") for seed in (1, 2)},
-    **{f"l{seed}": last_three_40("stepwise", "recipe", seed) for seed in range(3)},
+    **{f"l{seed}": last_three((at_85("stepwise", "recipe", seed),), 40) for seed in range(3)},
     **{f"e{seed}": survivors("stepwise", seed, range(1, 11)) for seed in range(3)},
     b0=V(f"{at_85('stepwise', 'recipe', 0)}.evaluated.40.heldback_browsed", "{:.0f}", scale=100),
 )
@@ -605,18 +585,18 @@ quote(
     "docs/learning-results.md",
     AISLE_40,
     "Stock GRPO stopped browsing in all six runs and ended at\n{low}–{high} over its last three evaluations, guessing.",
-    low=stock_last_three_40(min),
-    high=stock_last_three_40(max),
+    low=last_three(seeds_85("trajectory", "stock") + seeds_85("stepwise", "stock"), 40, min),
+    high=last_three(seeds_85("trajectory", "stock") + seeds_85("stepwise", "stock"), 40, max),
 )
 
 
-def reached(mode: str, arm: str, sources: tuple[str, ...] = (AISLE, AISLE_40), modes: tuple[str, ...] = ()) -> Value:
-    """How many runs at 85 % of ``arm`` in ``mode`` (or in each of ``modes``) reached 0.8 held-back success, over
-    the benchmarks ``sources`` (a run that never did has no step to it); ``none`` for zero."""
+def reached(arm: str, modes: tuple[str, ...], sources: tuple[str, ...] = (AISLE, AISLE_40)) -> Value:
+    """How many runs at 85 % of ``arm`` in ``modes`` reached 0.8 held-back success, over the benchmarks ``sources``
+    (a run that never did has no step to it); ``none`` for zero."""
     paths = tuple(
-        f"{source}:by_mode[sample_mode={one},rate=0.85,arm={arm}].steps_to_target"
+        f"{source}:by_mode[sample_mode={mode},rate=0.85,arm={arm}].steps_to_target"
         for source in sources
-        for one in modes or (mode,)
+        for mode in modes
     )
 
     def count(*lists: list[int | None]) -> int | str:
@@ -632,13 +612,13 @@ quote(
     "Over both sets the recipe learned the route in {t} of 6 runs with one sample per episode ({t20} of 3 within 20 "
     "steps, {t40}\nof 3 within 40) and in {w} of 6 with one per step ({w20} of 3, {w40} of 3); stock GRPO in {s} of "
     "12.",
-    t=reached("trajectory", "recipe"),
-    t20=reached("trajectory", "recipe", (AISLE,)),
-    t40=reached("trajectory", "recipe", (AISLE_40,)),
-    w=reached("stepwise", "recipe"),
-    w20=reached("stepwise", "recipe", (AISLE,)),
-    w40=reached("stepwise", "recipe", (AISLE_40,)),
-    s=reached("trajectory", "stock", modes=("trajectory", "stepwise")),
+    t=reached("recipe", ("trajectory",)),
+    t20=reached("recipe", ("trajectory",), (AISLE,)),
+    t40=reached("recipe", ("trajectory",), (AISLE_40,)),
+    w=reached("recipe", ("stepwise",)),
+    w20=reached("recipe", ("stepwise",), (AISLE,)),
+    w40=reached("recipe", ("stepwise",), (AISLE_40,)),
+    s=reached("stock", ("trajectory", "stepwise")),
 )
 
 quote(
@@ -646,9 +626,9 @@ quote(
     AISLE_40,
     "it still learned that route in {t} of 6 runs\nwith one sample per episode and {w} of 6 with one per step, stock "
     "GRPO in {s} of 12",
-    t=reached("trajectory", "recipe"),
-    w=reached("stepwise", "recipe"),
-    s=reached("trajectory", "stock", modes=("trajectory", "stepwise")),
+    t=reached("recipe", ("trajectory",)),
+    w=reached("recipe", ("stepwise",)),
+    s=reached("stock", ("trajectory", "stepwise")),
 )
 
 for mode in ("trajectory", "stepwise"):

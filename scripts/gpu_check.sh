@@ -2,6 +2,8 @@
 # The recipe's short real training on one NVIDIA GPU with vLLM as the rollout engine (the CPU runs use the hfcpu
 # backend instead). Checks the machine first, then runs `python -m nemo_gym_browser.local.training_run --rollout
 # vllm` with the vLLM settings below and prints step times and env/* metrics. `--help` explains everything.
+# Not yet run on a GPU: written from verl's vLLM path; tests/test_gpu_check.py covers what a machine without a GPU
+# can check (the refusals, the composed config, the summary).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +34,10 @@ Shop tasks, a fault proxy that makes verify answer 503 for a share of the episod
 the run \`python -m nemo_gym_browser.local.training_run\` makes on CPU, with rollout.name=vllm. At the end it
 prints each step's times, reward and env/* metrics.
 
+Not yet run on a GPU: this script is written from verl's vLLM path and tested only for what a machine without a
+GPU can check (its refusals, that its overrides compose with verl's config into a one-GPU vLLM rollout, its
+summary). verl's vLLM rollout itself has trained the recipe on vLLM's CPU build (docs/vllm-on-cpu.md).
+
 Checked first (each refusal names its fix):
   nvidia-smi and a GPU with compute capability 8.0 or newer (bf16), with enough free memory; in --python's
   environment a CUDA torch, vLLM, verl 0.9.1 and this package; a model whose head size vLLM takes; .venv-gym
@@ -39,7 +45,7 @@ Checked first (each refusal names its fix):
   sleep mode refuses it).
 
 Prerequisites, once (a virtual environment of its own: .venv holds the CPU torch):
-  python3.11 -m venv .venv-gpu
+  python3.12 -m venv .venv-gpu                           # a Python 3.11 or 3.12: verl 0.9.1 requires < 3.13
   .venv-gpu/bin/pip install "verl[vllm]==0.9.1" -e .   # vllm ${VLLM_TESTED}, torch 2.11.0 (CUDA), transformers 5.9.0
   bash scripts/setup_environment.sh                      # .venv-gym (nemo-gym 0.7.0) and Debian's Chromium
   Leave constraints.txt out of that install: it pins the CPU set, e.g. fastapi 0.165, and vllm ${VLLM_TESTED}
@@ -49,8 +55,9 @@ The model: by default a tiny Qwen2 policy (one head of 64) is built and warm-sta
 workdir (about 200 s of CPU time). Or --model DIR: a local Hugging Face folder whose chat template speaks
 hermes tool calls, such as Qwen2.5-0.5B-Instruct (head_dim 64). Nothing is downloaded (HF_HUB_OFFLINE=1).
 
-Time: a few minutes: the policy, vLLM's start-up (eager mode: no compilation) and two steps of 4 tasks x 4
-episodes in a real browser. Not measured on a GPU yet; the CPU backend needs several minutes for the same run.
+Time: not measured (no GPU run yet). The work: the policy's warm start on the CPU, vLLM's start-up (eager mode:
+no compilation) and two steps of 4 tasks x 4 episodes in a real browser; the CPU backend takes several minutes
+for the same run.
 
 Options:
   --workdir DIR              task rows, policy, run/ (main_ppo.log, metrics.jsonl); default ${workdir}

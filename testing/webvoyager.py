@@ -1,7 +1,9 @@
 """Where the real WebVoyager files are (task list and reference answers, Apache-2.0), for tests and examples.
 
-They are not shipped with the recipe. Looked up in order: ``$WEBVOYAGER_DATA_DIR``, ``shared/data/webvoyager``
-beside the recipe folder, then ``/work/shared/data/webvoyager``.
+They are not shipped with the recipe (docs/data.md says where they come from). The folder holding
+``WebVoyager_data.jsonl`` and ``reference_answer.json`` is ``$WEBVOYAGER_DATA_DIR`` when set, else
+``shared/data/webvoyager`` beside the recipe folder (``<recipe>/../shared/data/webvoyager``). A test that needs the
+files fails naming that folder when they are not there.
 """
 
 from __future__ import annotations
@@ -9,15 +11,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_RECIPE_DIR = Path(__file__).resolve().parent.parent
-_CANDIDATES = (_RECIPE_DIR.parent / "shared" / "data" / "webvoyager", Path("/work/shared/data/webvoyager"))
+DATA_DIR_ENV = "WEBVOYAGER_DATA_DIR"
+DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "webvoyager"
+TASKS_FILE = "WebVoyager_data.jsonl"
+ANSWERS_FILE = "reference_answer.json"
 
 
 def webvoyager_dir() -> Path:
-    """The folder holding ``WebVoyager_data.jsonl`` (the first candidate that has it; else the first candidate)."""
-    if os.environ.get("WEBVOYAGER_DATA_DIR"):
-        return Path(os.environ["WEBVOYAGER_DATA_DIR"])
-    for candidate in _CANDIDATES:
-        if (candidate / "WebVoyager_data.jsonl").is_file():
-            return candidate
-    return _CANDIDATES[0]
+    """The folder the WebVoyager files are read from: ``$WEBVOYAGER_DATA_DIR``, else :data:`DEFAULT_DIR`."""
+    return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DIR)
+
+
+def missing_message(folder: Path) -> str:
+    """What a test says when the files are not in ``folder``."""
+    return (
+        f"the WebVoyager files ({TASKS_FILE}, {ANSWERS_FILE}) are missing in {folder}: download them from "
+        f"github.com/MinorJerry/WebVoyager (data/) and set {DATA_DIR_ENV} to their folder (docs/data.md)"
+    )

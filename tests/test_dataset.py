@@ -29,7 +29,7 @@ from nemo_gym_browser.browser_calls import TOOL_NAMES
 from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME
 from nemo_gym_browser.dataset import EPISODE_TOOLS, BrowserJSONLDataset, RowError
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
-from nemo_gym_browser.testing.webvoyager import webvoyager_dir
+from nemo_gym_browser.testing.webvoyager import missing_message, webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
 WEBVOYAGER = webvoyager_dir()
@@ -38,6 +38,7 @@ WEBVOYAGER = webvoyager_dir()
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     """The real WebVoyager files, prepared by the real command."""
+    assert (WEBVOYAGER / "WebVoyager_data.jsonl").is_file(), missing_message(WEBVOYAGER)
     out = tmp_path_factory.mktemp("prepared")
     code = prep.main(
         [

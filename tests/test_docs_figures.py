@@ -4,7 +4,7 @@ Each quoted figure is tied here to the JSON that holds it: a :class:`Quote` is a
 with ``{name}`` fields, the ``bench/*.json`` file, and for each field a :class:`Value` (a key path into the JSON, or a
 small formula over key paths, and its format). The test renders each quote from the JSON and looks for it on its
 page, so it fails when a figure on the page changes (the quote is no longer there) and when the JSON changes (the
-rendered quote differs). A table is a quote per row.
+rendered quote differs); line breaks count as spaces, so a page may rewrap its paragraphs. A table is a quote per row.
 
 Key paths: ``figures.points[3].correct[0]``; ``runs[arm=recipe,rate=0.85]`` keeps the list items whose fields match
 (several may, then the value names how to reduce them: ``mean``, ``min``, ``max``, ``sum``); ``*`` is every value of a
@@ -230,7 +230,7 @@ quote(
 quote(
     "docs/learning-results.md",
     CURVE,
-    "{low}–{high}\nmin and {peak_low}–{peak_high} GiB peak",
+    "{low}–{high} min and {peak_low}–{peak_high} GiB peak",
     low=V("runs[*].minutes", "{:.1f}", reduce="min"),
     high=V("runs[*].minutes", "{:.1f}", reduce="max"),
     peak_low=V("runs[*].peak_memory_gib", "{:.1f}", reduce="min"),
@@ -308,6 +308,59 @@ quote(
     "held-back success {start} →\n{end} in both;",
     start=V("runs[0].evaluated.0.heldback_success", "{:.2f}"),
     end=V("runs[0].evaluated.8.heldback_success", "{:.2f}"),
+)
+
+# docs/learning-results.md's "Not the rehearsal's evaluation": the benchmark's column and figures from its JSON (the
+# rehearsal's column from scripts/rehearse.sh: test_the_rehearsals_evaluation_is_the_one_the_learning_results_name)
+REHEARSAL_EVAL_ROWS = {
+    "answers": "| answers per held-back board | 1, greedy (verl's default `val_kwargs`: temperature 0, n 1) "
+    "| {n}, sampled at temperature 1 (`val_kwargs.do_sample=True`, n {n}) |",
+    "boards": "| held-back boards | the first {tasks} (`--val-tasks {tasks}`) | the first {v} (`--val-tasks {v}`) |",
+    "evaluated": "| evaluated | before training and after step {steps} (`--test-freq {freq}`) "
+    "| before training and every {e} steps |",
+    "step": "| a training step | {prompts} tasks x {group} episodes | {p} tasks x {g} episodes |",
+}
+REHEARSAL_EVAL_FIELDS = {
+    "answers": {"n": V("settings.val_samples")},
+    "boards": {"v": V("settings.val_tasks")},
+    "evaluated": {"e": V("settings.eval_every")},
+    "step": {"p": V("settings.prompts_per_step"), "g": V("settings.group_size")},
+}
+# The rehearsal's values as the page gives them; the test below reads them from scripts/rehearse.sh.
+REHEARSAL_EVAL_AS_WRITTEN = {"tasks": "48", "steps": "8", "freq": "8", "prompts": "4", "group": "8"}
+for name, text in REHEARSAL_EVAL_ROWS.items():
+    fields = REHEARSAL_EVAL_FIELDS[name]
+    quote(
+        "docs/learning-results.md",
+        CURVE,
+        text.format(**{key: "{" + key + "}" for key in fields}, **REHEARSAL_EVAL_AS_WRITTEN),
+        **fields,
+    )
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "| seeds | 1 (0) | {count} ({seeds}), mean and range |",
+    count=V("settings.seeds", formula=len),
+    seeds=V("settings.seeds", formula=lambda seeds: ", ".join(map(str, seeds))),
+)
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "The same in both: {steps} steps, lr {lr}, {rate} % of browser calls {kind}",
+    steps=V("settings.steps"),
+    kind=V("settings.fault_kind", formula=lambda kind: {"lose_session": "losing their session"}[kind]),
+    lr=V("settings.lr", formula=lambda lr: f"{lr:.0e}".replace("e-0", "e-")),
+    rate=V("runs[arm=recipe,seed=0].rate", "{:.0f}", reduce="max", scale=100),
+)
+quote(
+    "docs/learning-results.md",
+    CURVE,
+    "at\ntemperature 1 it reads the board on {b0} % of episodes and starts at {start}. Trained, it reads the board "
+    "either way:\n0.96 greedy in the rehearsal's one run, {end} sampled here, over {seeds} seeds.",
+    b0=curve("recipe", 0.85, 0, "heldback_browsed", "mean", "{:.0f}", 100),
+    start=curve("recipe", 0.85, 0, "heldback_success", "mean"),
+    end=curve("recipe", 0.85, 8, "heldback_success", "mean"),
+    seeds=V("settings.seeds", formula=len),
 )
 
 # bench/learning_curve_vllm.json: docs/learning-results.md's "On verl's vLLM rollout" section
@@ -906,6 +959,66 @@ quote(
     growth=V("figures.verdict", pattern=r"step-wise largest sample \+(\d+)%"),
 )
 
+# ----- the machine each benchmark ran on (docs/benchmarks.md): its JSON's ``machine`` --------------------------------
+
+
+def _cpu_name(reported: str) -> str:
+    """The CPU model as the pages name it: ``Intel(R) Xeon(R) Processor`` -> ``Intel Xeon``."""
+    return reported.replace("(R)", "").replace(" Processor", "").strip()
+
+
+def cpu(path: str = "machine.cpu") -> Value:
+    return V(path, formula=_cpu_name)
+
+
+def load(fmt: str, path: str = "machine.load") -> Value:
+    return V(path, fmt, formula=float)
+
+
+MACHINE_SOURCES = tuple(
+    f"bench/{path.name}"
+    for path in sorted((ROOT / "bench").glob("*.json"))
+    if "machine" in json.loads(path.read_text(encoding="utf-8"))
+)
+
+
+def _count_cpu(name: str) -> Value:
+    paths = tuple(f"{source}:machine.cpu" for source in MACHINE_SOURCES)
+    return V(paths, formula=lambda *cpus: sum(_cpu_name(reported) == name for reported in cpus))
+
+
+quote(
+    BENCH,
+    BIAS,
+    "The CPU it reported was an Intel Xeon for {intel} of the\nbenchmarks and an AMD EPYC for the other {amd}, and the "
+    "load average when each started ranged from {low} to {high}",
+    intel=_count_cpu("Intel Xeon"),
+    amd=_count_cpu("AMD EPYC"),
+    low=V(tuple(f"{s}:machine.load" for s in MACHINE_SOURCES), "{:.1f}", formula=lambda *v: min(map(float, v))),
+    high=V(tuple(f"{s}:machine.load" for s in MACHINE_SOURCES), "{:.0f}", formula=lambda *v: max(map(float, v))),
+)
+for source, text, fmt in [
+    (BIAS, "`bench/baseline_bias.json`; 2 cores ({cpu}), load average {load})", "{:.1f}"),
+    (SPEED, "`bench/grpo_speed.json`; 2 cores ({cpu}), load average {load}; same batches", "{:.1f}"),
+    (OVERHEAD, "episode) / 10. 2 cores ({cpu}), load average {load}:", "{:.1f}"),
+    (PLACEMENT, "medians of 5 rounds on 2 cores ({cpu}), load average {load}:", "{:.1f}"),
+    (SHARE, "`bench/placement_share.json`; 2 cores ({cpu}), load average {load} from other work)", "{:.0f}"),
+    (CAPACITY, "Memory is the PSS of the server and Chromium; 2 cores ({cpu}), load average {load}", "{:.0f}"),
+    (DECODE, "2 cores ({cpu}), one decode thread, load average {load} from other work", "{:.1f}"),
+    (CHAOS, "Measured on 2 cores ({cpu}), load average {load}:", "{:.1f}"),
+    (LONG, "2\ncores ({cpu}), load average {load}:", "{:.1f}"),
+]:
+    quote(BENCH, source, text, cpu=cpu(), load=load(fmt))
+quote(
+    BENCH,
+    ENGINES,
+    "2 cores ({cpu}), load average {low}-{high} from other work over the waves:",
+    cpu=cpu(),
+    low=V("figures.waves[*].load", "{:.1f}", reduce="min"),
+    high=V("figures.waves[*].load", "{:.1f}", reduce="max"),
+)
+quote(BENCH, ENGINES, "(`engines.py`: `.venv-vllm`'s torch {torch})", torch=V("machine.torch"))
+
 
 # ----- the tests ------------------------------------------------------------------------------------------------------
 
@@ -914,17 +1027,71 @@ def _page(name: str) -> str:
     return (ROOT / name).read_text(encoding="utf-8")
 
 
+def _flat(text: str) -> str:
+    """``text`` with every run of white space (line breaks included) as one space."""
+    return " ".join(text.split())
+
+
 @pytest.mark.parametrize("quoted", QUOTES, ids=lambda q: f"{q.page}:{q.text.splitlines()[0][:60]}")
 def test_each_quoted_figure_is_the_one_its_benchmark_json_holds(quoted: Quote) -> None:
     expected = quoted.render()
     page = _page(quoted.page)
-    if expected not in page:
+    if _flat(expected) not in _flat(page):  # where a paragraph wraps its lines does not matter
         lines = page.splitlines()
         first = expected.splitlines()[0]
         near = difflib.get_close_matches(first, lines, n=1, cutoff=0.3)
         pytest.fail(
             f"{quoted.page} should quote, from {quoted.source}:\n  {expected!r}\nclosest line there:\n  {near!r}"
         )
+
+
+def _rehearsal_training_flags() -> dict[str, str]:
+    """The flags ``scripts/rehearse.sh --train`` gives ``training_run``."""
+    script = (ROOT / "scripts" / "rehearse.sh").read_text(encoding="utf-8")
+    command = script[script.index("-m nemo_gym_browser.local.training_run") :].split("\nfi", 1)[0]
+    return dict(re.findall(r"(--[\w-]+) ([^\s\\]+)", command))
+
+
+def test_the_rehearsals_evaluation_is_the_one_the_learning_results_name() -> None:
+    import importlib.util
+
+    import yaml
+
+    flags = _rehearsal_training_flags()
+    settings = json.loads((ROOT / CURVE).read_text(encoding="utf-8"))["settings"]
+    rehearsal = {
+        "tasks": flags["--val-tasks"],
+        "steps": flags["--steps"],
+        "freq": flags["--test-freq"],
+        "prompts": flags["--prompts-per-step"],
+        "group": flags["--group-size"],
+    }
+    assert rehearsal == REHEARSAL_EVAL_AS_WRITTEN
+    data = json.loads((ROOT / CURVE).read_text(encoding="utf-8"))
+    page = _page("docs/learning-results.md")
+    for name, text in REHEARSAL_EVAL_ROWS.items():
+        benchmark = {key: value.render(data) for key, value in REHEARSAL_EVAL_FIELDS[name].items()}
+        assert _flat(text.format(**benchmark, **rehearsal)) in _flat(page)
+    # "the same in both"
+    assert (flags["--suite"], int(flags["--steps"]), float(flags["--lr"])) == (
+        "deal",
+        settings["steps"],
+        settings["lr"],
+    )
+    assert float(flags["--fault-rate"]) in settings["rates"] and flags["--fault-kind"] == settings["fault_kind"]
+    assert flags["--fault-at"] == "browser-call" and "--engine" not in flags and "--environment" not in flags
+    # greedy, one answer: verl's default validation sampling, which neither the recipe's config nor the local run
+    # changes (the benchmark does, with val_kwargs overrides)
+    verl = Path(importlib.util.find_spec("verl").submodule_search_locations[0])  # found, not imported: it is slow
+    defaults = yaml.safe_load((verl / "trainer" / "config" / "rollout" / "rollout.yaml").read_text())["val_kwargs"]
+    assert (defaults["temperature"], defaults["n"], defaults["do_sample"]) == (0, 1, False)
+    for path in (
+        ROOT / "configs" / "webvoyager_grpo.yaml",
+        ROOT / "local" / "run_spec.py",
+        ROOT / "local" / "training_run.py",
+    ):
+        assert "val_kwargs" not in path.read_text(encoding="utf-8"), path
+    assert "val_kwargs.do_sample=True" in (ROOT / "bench" / "learning_curve.py").read_text(encoding="utf-8")
 
 
 def test_every_benchmark_table_the_docs_mark_as_checked_has_quotes() -> None:

@@ -83,6 +83,23 @@ def test_help_names_the_vllm_torch_and_transformers_versions_verl_pins_for_vllm_
         assert taught in result.stdout
 
 
+def test_help_builds_the_gpu_environment_from_a_python_that_verl_and_this_recipe_both_accept() -> None:
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    help_text = run_script("--help").stdout
+    verl_takes = SpecifierSet(importlib.metadata.metadata("verl")["Requires-Python"])
+    recipe_takes = SpecifierSet(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"])
+    named = re.findall(r"python(3\.\d+) -m venv \.venv-gpu", help_text)
+    assert named
+    for version in named:
+        assert version in verl_takes and version in recipe_takes, version
+    # and it says which others would do: every minor version both accept
+    accepted = [f"3.{minor}" for minor in range(8, 20) if f"3.{minor}" in verl_takes and f"3.{minor}" in recipe_takes]
+    assert f"a Python {' or '.join(accepted)}" in help_text
+
+
 def test_a_machine_without_nvidia_smi_is_refused_with_exit_1_and_pointed_at_the_cpu_backend(tmp_path: Path) -> None:
     workdir = tmp_path / "work"
     result = run_script("--workdir", str(workdir), path=path_without_nvidia_smi())

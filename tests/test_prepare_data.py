@@ -25,7 +25,7 @@ from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser import task_rows
 from nemo_gym_browser.browser_calls import TOOL_NAMES
 from nemo_gym_browser.named_dates import check_dates, find_named_dates
-from nemo_gym_browser.testing.webvoyager import webvoyager_dir
+from nemo_gym_browser.testing.webvoyager import missing_message, webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
 WEBVOYAGER = webvoyager_dir()
@@ -37,8 +37,18 @@ TODAY = "2026-01-15"
 
 @pytest.fixture(scope="module")
 def webvoyager_tasks() -> list[dict]:
-    assert TASKS_FILE.is_file(), f"the WebVoyager task list is missing at {TASKS_FILE} (set WEBVOYAGER_DATA_DIR)"
+    assert TASKS_FILE.is_file() and ANSWERS_FILE.is_file(), missing_message(WEBVOYAGER)
     return [json.loads(line) for line in TASKS_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def test_the_webvoyager_files_are_read_from_the_named_folder_else_from_shared_beside_the_recipe_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("WEBVOYAGER_DATA_DIR", str(tmp_path))
+    assert webvoyager_dir() == tmp_path
+    monkeypatch.delenv("WEBVOYAGER_DATA_DIR")
+    assert webvoyager_dir() == REPO.parent / "shared" / "data" / "webvoyager"  # no machine's absolute path
+    assert "WEBVOYAGER_DATA_DIR" in missing_message(tmp_path) and str(tmp_path) in missing_message(tmp_path)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:

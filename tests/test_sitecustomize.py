@@ -66,7 +66,8 @@ ENTRY_POINT_SCRIPT = textwrap.dedent(
     if sys.argv[1] == "import-trainers":
         from verl.trainer.ppo.v1 import trainer_base
         targets = sys.modules["nemo_gym_browser.patches"].installed_targets()
-    print(json.dumps({"hook": hook, "targets": targets, "sitecustomize": "sitecustomize" in sys.modules}))
+    site = sys.modules.get("sitecustomize")
+    print(json.dumps({"hook": hook, "targets": targets, "sitecustomize": getattr(site, "__file__", None)}))
     """
 )
 
@@ -145,10 +146,20 @@ def test_switch_turns_the_wiring_off_but_still_loads_the_package_and_runs_the_sh
     assert state["runs"] == "1"
 
 
-def test_without_another_sitecustomize_nothing_is_chained(tmp_path):
+def interpreters_own_sitecustomize() -> str | None:
+    """The sitecustomize this Python loads by itself, if any (Debian's and Ubuntu's system Pythons ship one)."""
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    script = "import sys; m = sys.modules.get('sitecustomize'); print(getattr(m, '__file__', '') or '')"
+    completed = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+    )
+    return completed.stdout.strip() or None
+
+
+def test_without_another_sitecustomize_on_the_path_only_the_interpreters_own_is_chained(tmp_path):
     folder = recipe_folder(tmp_path)
     state = run_python(STARTUP_STATE_SCRIPT, pythonpath=[folder])
-    assert state["chained"] is None
+    assert state["chained"] == interpreters_own_sitecustomize()
     assert state["hook"] is True
 
 
@@ -172,7 +183,8 @@ def test_verl_plugins_entry_point_installs_the_wiring_when_verl_is_imported(tmp_
     env = {"NEMO_GYM_BROWSER_PATCHES": "0"} if switch == "off" else {}
     mode = "import-trainers" if switch == "on" else "verl-only"
     state = run_python(ENTRY_POINT_SCRIPT, mode, pythonpath=[distribution_with_declared_entry_point(tmp_path)], **env)
-    assert state["sitecustomize"] is False  # the entry point alone
+    # the entry point alone: the recipe's sitecustomize.py is not on the path (the interpreter's own may load)
+    assert state["sitecustomize"] == interpreters_own_sitecustomize()
     if switch == "off":
         assert state["hook"] is False
     else:

@@ -221,7 +221,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             _warn_once(
                 "short-observations",
                 "multi_turn.max_tool_response_length=%s characters cuts browser observations (up to ~5000 "
-                "characters); set max_tool_response_length in configs/agent_loop.yaml or on the command line",
+                "characters); set actor_rollout_ref.rollout.multi_turn.max_tool_response_length "
+                "(configs/webvoyager_grpo.yaml) or nemo_gym_browser.max_tool_response_length",
                 self.max_tool_response_length,
             )
         if LENIENT_TOOL_CALL_PARSING and self.tool_parser_name == "hermes":

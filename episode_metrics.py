@@ -5,8 +5,9 @@ What this module owns
     metrics: the invalid rate, every failure kind (of failed attempts, and of samples still invalid at the end),
     attempts, resampled and recovered rates, failed attempts before and after the policy acted (by kind: a policy
     that learns to fail "infrastructurally" shows there, see :mod:`exclusion_watch`), deadline hits, the
-    verify/judge split of rewards, refused navigations and the episode wall time. Pure Python over mappings and
-    numpy columns: no torch, no verl.
+    verify/judge split of rewards, refused navigations and the episode wall time, and the share of episodes that
+    never opened their start page (``env/seed_failed_rate``: most of a step there means the nodes do not reach the
+    task sites, see :mod:`exclusion_watch`). Pure Python over mappings and numpy columns: no torch, no verl.
     Rollouts the drop switch removed (``dropped_rollouts``) count as what they were, invalid samples: every rate
     is over all the step's rollouts, kept and dropped, so the numbers do not depend on the switch; how many were
     dropped is ``env/dropped_count``.
@@ -31,7 +32,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .failures import FAILURE_KINDS
+from .failures import FAILURE_KINDS, FailureKind
 
 # The keys the loop writes into every sample's extra_fields (the first six are the project-wide contract).
 FLAG_KEYS = (
@@ -95,6 +96,8 @@ def episode_metrics(
         "env/dropped_count": float(len(dropped)),
         "env/invalid_rate": sum(invalid) / n,
         "env/invalid_count": float(sum(invalid)),
+        # Episodes still invalid because no attempt could open the start page: the sites' reach, not the policy's.
+        "env/seed_failed_rate": final_kinds.get(FailureKind.SEED_FAILED.value, 0) / n,
         "env/resampled_rate": sum(resampled) / n,
         "env/recovered_rate": sum(r and not i for r, i in zip(resampled, invalid, strict=True)) / n,
         "env/attempts/mean": sum(attempts) / n,

@@ -1,18 +1,18 @@
-"""A warning when the share of episodes kept out of the baseline rises while the environment looks healthy.
+"""Warnings from a step's ``env/*`` metrics: exclusions rising while the environment looks healthy, and start pages
+out of reach.
 
 An infrastructure failure takes an episode out of its group's baseline, so a policy that finds a way to make its
-bad episodes fail "infrastructurally" escapes their negative advantages. Its signature: ``env/invalid_rate`` (the
-share of a step's episodes flagged invalid or dropped, i.e. kept out of the baseline) climbs step over step while
-the environment's own health holds. Health is read from what fails *before* the policy acted: seeds, start pages,
-sessions lost before its first tool call (``env/failed_before_action_rate``); the per-call health checks live in
-the environment client, and preflight and the smoke episodes check the servers before the run. A degrading
-environment raises that rate too, and then nothing is blamed on the policy.
+bad episodes fail "infrastructurally" escapes their negative advantages. Its signature: ``env/invalid_rate`` climbs
+step over step while the environment's own health holds, read from what fails *before* the policy acted
+(``env/failed_before_action_rate``: seeds, start pages, sessions lost before its first tool call). The rule
+(:meth:`ExclusionWatch.observe`): the invalid rate rose from the step before and either it has now risen
+:data:`CONSECUTIVE_RISES_TO_WARN` steps in a row or this one rise is at least :data:`SINGLE_RISE_TO_WARN`, while
+``env/failed_before_action_rate`` is at most :data:`HEALTHY_BEFORE_ACTION_FAILURE_RATE`.
 
-The rule (:meth:`ExclusionWatch.observe`): warn when the invalid rate rose from the step before and either it has
-now risen :data:`CONSECUTIVE_RISES_TO_WARN` steps in a row or this one step's rise is at least
-:data:`SINGLE_RISE_TO_WARN`, while ``env/failed_before_action_rate`` is at most
-:data:`HEALTHY_BEFORE_ACTION_FAILURE_RATE`. One watch per trainer process (:func:`observe_step`, called where
-the ``env/*`` step metrics are made).
+The opposite case (:func:`seed_failure_warning`): at least :data:`SEED_FAILED_SHARE_TO_WARN` of a step's episodes
+never opened their start page (``env/seed_failed_rate``), so the step trains on the few that did; from the first
+step on, each such step warns, naming the likely cause: the nodes do not reach the task sites. Both run once per
+step in the trainer process (:func:`observe_step`, called where the ``env/*`` step metrics are made).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ CONSECUTIVE_RISES_TO_WARN = 3
 SINGLE_RISE_TO_WARN = 0.10
 # At most this share of attempts failing before the policy acted: the environment counts as healthy.
 HEALTHY_BEFORE_ACTION_FAILURE_RATE = 0.05
+# Half of a step's episodes without a start page after every attempt is no bad luck of single sites or sessions.
+SEED_FAILED_SHARE_TO_WARN = 0.5
 
 
 class ExclusionWatch:
@@ -70,9 +72,28 @@ def _after_action_kinds(metrics: Mapping[str, float]) -> str:
     return ", ".join(shown) or "none"
 
 
+def seed_failure_warning(metrics: Mapping[str, float]) -> str | None:
+    """Log and return the warning when at least :data:`SEED_FAILED_SHARE_TO_WARN` of the step's episodes ended
+    ``seed_failed``; None otherwise (and for a step without ``env/seed_failed_rate``)."""
+    rate = metrics.get("env/seed_failed_rate")
+    if rate is None or rate < SEED_FAILED_SHARE_TO_WARN:
+        return None
+    failed, episodes = int(metrics.get("env/invalid/seed_failed", 0)), int(metrics.get("env/samples", 0))
+    warning = (
+        f"{failed} of {episodes} episodes of this step could not open their start page on any "
+        f"attempt (env/seed_failed_rate {rate:.3f}) and are kept out of the loss: the nodes may not reach the task "
+        "sites (no route to them, or a proxy not set for the environment servers' Chromium); run the dry run's "
+        "start-page check (sbatch submit_webvoyager.sh --dry-run, START_PAGE_SAMPLE) and read the agent-loop "
+        "workers' 'could not open a session' warnings for the server's own message"
+    )
+    logger.warning("%s", warning)
+    return warning
+
+
 _watch = ExclusionWatch()
 
 
-def observe_step(metrics: Mapping[str, float]) -> str | None:
-    """:meth:`ExclusionWatch.observe` on the trainer process's one watch."""
-    return _watch.observe(metrics)
+def observe_step(metrics: Mapping[str, float]) -> list[str]:
+    """The warnings of one training step's ``env/*`` metrics, each logged: :meth:`ExclusionWatch.observe` on the
+    trainer process's one watch, and :func:`seed_failure_warning`."""
+    return [warning for warning in (_watch.observe(metrics), seed_failure_warning(metrics)) if warning]

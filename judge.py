@@ -286,13 +286,9 @@ class BinaryJudge:
         self._stats = JudgeStats()
 
     @classmethod
-    def from_config(cls, config: JudgeConfig | Mapping[str, Any] | str | os.PathLike[str]) -> BinaryJudge:
-        """Build from a :class:`JudgeConfig`, a mapping of its fields, or the path of a YAML file."""
-        if isinstance(config, JudgeConfig):
-            return cls(config)
-        if isinstance(config, Mapping):
-            return cls(JudgeConfig.from_mapping(config))
-        return cls(JudgeConfig.from_yaml(config))
+    def from_config(cls, config: JudgeConfig | Mapping[str, Any]) -> BinaryJudge:
+        """Build from a :class:`JudgeConfig` or a mapping of its fields (a hydra ``DictConfig`` too)."""
+        return cls(config if isinstance(config, JudgeConfig) else JudgeConfig.from_mapping(config))
 
     @classmethod
     def shared(cls, config: JudgeConfig) -> BinaryJudge:

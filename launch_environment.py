@@ -8,8 +8,9 @@ alone as NeMo Gym starts each server (``python app.py +config_paths=[cfg.yaml]``
 Backends:
 - ``remote_cdp`` (default): we start one Chromium with remote debugging on a loopback port and the server's
   ``static_cdp`` provider points at it; every session gets a fresh browser context on that Chromium.
-- ``local_playwright``: the server launches a Chromium per session itself, found through a
-  ``PLAYWRIGHT_BROWSERS_PATH`` folder of links to Debian's binary that the setup script makes.
+- ``local_playwright``: the server launches a Chromium per session itself. nemo-gym 0.7.0 takes no browser path: its
+  Playwright finds the browser in a ``PLAYWRIGHT_BROWSERS_PATH`` folder, which we lay out as the setup script lays
+  out the gym venv's, with every link pointing at ``--chromium``.
 
 Guarantees:
 - Everything binds 127.0.0.1 only.
@@ -82,6 +83,9 @@ SERVER_INSTANCE = "interactive_browser"
 SERVER_SUBDIR = Path("resources_servers") / "interactive_browser"
 SETUP_MARKER = ".setup-complete"
 PLAYWRIGHT_BROWSERS_SUBDIR = "playwright-browsers"
+# Debian's /usr/bin/chromium is a launcher script; Playwright must exec the binary it runs.
+DEBIAN_CHROMIUM_LAUNCHER = Path("/usr/bin/chromium")
+DEBIAN_CHROMIUM_BINARY = Path("/usr/lib/chromium/chromium")
 
 # The server imports ~2.7 s of modules on an idle core; 2 shared cores under a parallel test run can be 10x slower.
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
@@ -112,6 +116,8 @@ CHROMIUM_FLAGS = (
     "--disable-component-update",
     "--disable-sync",
     "--disable-dev-shm-usage",
+    # Chromium asks a time server of its vendor on its own (seen through a proxy in the tests): no traffic of its own.
+    "--disable-features=NetworkTimeServiceQuerying",
 )
 
 
@@ -144,6 +150,10 @@ class BrowserState:
 
 
 # --------------------------------------------------------------------------------------------- small HTTP helpers
+# urlopen would send loopback requests to a proxy the environment names (urllib has no implicit loopback bypass).
+_LOOPBACK_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _http_json(
     url: str, *, body: object | None = None, cookie: str | None = None, timeout: float
 ) -> tuple[int, object, str | None]:
@@ -154,7 +164,7 @@ def _http_json(
     if cookie:
         request.add_header("cookie", cookie)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _LOOPBACK_OPENER.open(request, timeout=timeout) as response:
             status, raw, set_cookie = response.status, response.read(), response.headers.get("set-cookie")
     except urllib.error.HTTPError as error:
         status, raw, set_cookie = error.code, error.read(), None
@@ -249,11 +259,41 @@ def find_server_dir(gym_venv: Path) -> Path:
 
 def check_gym_venv(gym_venv: Path) -> None:
     """Raise EnvironmentStartError, telling how to fix it, unless ``gym_venv`` is a completed setup."""
-    if not (gym_venv / "bin" / "python").exists():
+    python = gym_venv / "bin" / "python"
+    if python.is_symlink() and not python.exists():
+        # A venv links to the interpreter it was built from: on a shared file system, that host's path.
+        raise EnvironmentStartError(
+            f"{python} links to {os.path.realpath(python)}, which is missing on {socket.gethostname()}: install that "
+            f"interpreter at that path here, or build the venv on this host: FORCE=1 GYM_VENV={gym_venv} {SETUP_HINT}"
+        )
+    if not python.exists():
         raise EnvironmentStartError(f"{gym_venv} does not exist (or has no bin/python); run: {SETUP_HINT}")
     if not (gym_venv / SETUP_MARKER).exists():
         raise EnvironmentStartError(f"{gym_venv} is not a completed setup (no {SETUP_MARKER}); run: {SETUP_HINT}")
     find_server_dir(gym_venv)
+
+
+def playwright_executable(chromium: Path) -> Path:
+    """What Playwright should run for ``chromium``: the file it names, or for Debian's launcher script its binary."""
+    resolved = Path(os.path.realpath(chromium))
+    if resolved == DEBIAN_CHROMIUM_LAUNCHER and DEBIAN_CHROMIUM_BINARY.exists():
+        return DEBIAN_CHROMIUM_BINARY
+    return resolved
+
+
+def playwright_browsers(template: Path, executable: Path, folder: Path) -> Path:
+    """``folder`` laid out as ``template`` (the gym venv's browser folder, named after its Playwright's browser
+    revisions by the setup script), with each of its links pointing at ``executable``: a PLAYWRIGHT_BROWSERS_PATH."""
+    for path in sorted(template.rglob("*")):
+        target = folder / path.relative_to(template)
+        if path.is_symlink():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(executable)
+        elif path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            shutil.copyfile(path, target)  # Playwright's INSTALLATION_COMPLETE markers
+    return folder
 
 
 class LocalEnvironment:
@@ -283,6 +323,7 @@ class LocalEnvironment:
         self.probe = probe
         self.cdp_port: int | None = None
         self.workdir: Path | None = None
+        self.browsers_path: Path | None = None  # local_playwright: the PLAYWRIGHT_BROWSERS_PATH the server gets
         self.startup_s: float | None = None
         self._server: subprocess.Popen[bytes] | None = None
         self._chromium: subprocess.Popen[bytes] | None = None
@@ -363,12 +404,22 @@ class LocalEnvironment:
             folders[var] = str(self.workdir / sub)
         return browser_side_environment(os.environ, **folders, PYTHONUNBUFFERED="1")
 
+    def _require_chromium(self) -> None:
+        if not os.access(self.chromium, os.X_OK):
+            raise EnvironmentStartError(
+                f"{self.chromium} not found on {socket.gethostname()}; run: {SETUP_HINT}, or pass --chromium PATH"
+            )
+
     def _start_browser_side(self) -> dict:
         assert self.workdir is not None
         if self.backend is Backend.LOCAL_PLAYWRIGHT:
+            template = self.gym_venv / PLAYWRIGHT_BROWSERS_SUBDIR
+            if template.is_dir():
+                self._require_chromium()
+                folder = self.workdir / PLAYWRIGHT_BROWSERS_SUBDIR
+                self.browsers_path = playwright_browsers(template, playwright_executable(self.chromium), folder)
             return {"local_playwright": {"headless": True}}
-        if not os.access(self.chromium, os.X_OK):
-            raise EnvironmentStartError(f"{self.chromium} not found; run: {SETUP_HINT}")
+        self._require_chromium()
         self.cdp_port = free_port()
         profile = self.workdir / "chromium-profile"
         command = [
@@ -422,7 +473,7 @@ class LocalEnvironment:
         config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
         env = self._child_env()
         env["NEMO_GYM_CONFIG_PATH"] = SERVER_INSTANCE
-        env["PLAYWRIGHT_BROWSERS_PATH"] = str(self.gym_venv / PLAYWRIGHT_BROWSERS_SUBDIR)
+        env["PLAYWRIGHT_BROWSERS_PATH"] = str(self.browsers_path or self.gym_venv / PLAYWRIGHT_BROWSERS_SUBDIR)
         command = [
             str(self.gym_venv / "bin" / "python"),
             "app.py",
@@ -504,6 +555,7 @@ class LocalEnvironment:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(proc.pid, signal.SIGKILL)
         self._server = self._chromium = None
+        self.browsers_path = None
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
@@ -610,7 +662,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_GYM_VENV,
         help="nemo-gym virtual environment (default: .venv-gym in the repository)",
     )
-    parser.add_argument("--chromium", type=Path, default=DEFAULT_CHROMIUM, help="Chromium executable (remote_cdp)")
+    parser.add_argument(
+        "--chromium",
+        type=Path,
+        default=DEFAULT_CHROMIUM,
+        help="the Chromium the server drives, over CDP (remote_cdp) or through Playwright (local_playwright) "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--max-elements", type=int, default=50, help="elements per observation")
     parser.add_argument(
         "--startup-timeout",

@@ -11,6 +11,10 @@ proves every override key exists) and hands the result to this CLI, which checks
                  (the recipe's plugin entry point or ``sitecustomize.py`` does that);
 * ``agent-loop`` the default agent loop is in the agent-loop YAML, its class imports, and its settings (YAML kwargs
                  with the trainer config's ``nemo_gym_browser`` section on top) build, unknown keys rejected;
+* ``setting-layers`` no setting is given in one place and silently replaced by a later one: a key of the
+                 agent-loop YAML that the trainer config's section sets otherwise, or a key of
+                 ``configs/webvoyager_grpo.yaml``'s section changed from its default that config.env replaces on
+                 every run (``docs/configuration.md#which-place-wins``); each named with both places;
 * ``tools``      verl loads the tool config (``load_all_tools``), as each AgentLoopWorker will;
 * ``data``       verl resolves ``data.custom_cls``, the class loads every train and val row, the agent loop can
                  read each row's episode, its ``verifier_metadata`` keeps the one rule of ``rows.py`` (one known
@@ -48,6 +52,7 @@ import contextlib
 import io
 import ipaddress
 import json
+import math
 import os
 import sys
 import time
@@ -64,6 +69,8 @@ from nemo_gym_browser.settings import DROP_INVALID_ENV
 
 # verl's own default model path: seeing it means the script's model override did not arrive.
 VERL_PLACEHOLDER_MODEL = "~/models/deepseek-llm-7b-chat"
+# The trainer config submit_webvoyager.sh composes: its nemo_gym_browser section as written, before overrides.
+TRAINER_YAML = Path(__file__).resolve().parent / "configs" / "webvoyager_grpo.yaml"
 JUDGE_PROBE_TIMEOUT_S = 15.0
 # Connecting a driver and starting one worker per node takes seconds; a node that cannot run a task in this long
 # will not run rollouts either.
@@ -226,6 +233,29 @@ def check_agent_loop(ctx: Context) -> str:
     return f"{agent.default_agent_loop} ({entry['_target_']}); servers {urls}; {judge}"
 
 
+def check_setting_layers(ctx: Context, trainer_yaml: Path = TRAINER_YAML) -> str:
+    """No setting given in one place and silently replaced by a later one (``settings.setting_conflicts``): the
+    agent-loop YAML's keys against the composed ``nemo_gym_browser`` section, and ``trainer_yaml``'s section (as
+    written) against the config.env values that replace it on every run."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from nemo_gym_browser.settings import TRAINER_CONFIG_SECTION, setting_conflicts
+
+    entry = _agent_loop_entry(ctx)
+    kwargs = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
+    written = yaml.safe_load(trainer_yaml.read_text(encoding="utf-8")) if trainer_yaml.is_file() else None
+    written_section = (written or {}).get(TRAINER_CONFIG_SECTION) or {}
+    composed = ctx.config.get(TRAINER_CONFIG_SECTION)
+    composed_section = OmegaConf.to_container(composed, resolve=True) if composed is not None else {}
+    conflicts = setting_conflicts(kwargs, written_section, composed_section)
+    if conflicts:
+        raise CheckFailed("; ".join(conflicts))
+    if kwargs:
+        return f"{len(kwargs)} setting(s) in the agent-loop YAML, none replaced by the trainer config"
+    return "each setting comes from one place (the agent-loop YAML holds only name and _target_)"
+
+
 def check_tools(ctx: Context) -> str:
     from verl.tools.tool_registry import load_all_tools
 
@@ -239,6 +269,39 @@ def check_tools(ctx: Context) -> str:
         raise CheckFailed(f"{multi_turn.tool_config_path} declares no tools")
     ctx.tool_schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools]
     return "tools " + ", ".join(tool.name for tool in tools)
+
+
+# The turn budget, in tokens. Observations at the server's caps measured 3.18 (real server) and 3.21 (render worst
+# case) characters per token with a Qwen2.5 tokenizer (bench/observation_lengths.py); smaller pages are a few hundred
+# characters. verl's hermes tool turn around an observation measured 14 tokens; a tool call with a sentence 18-56.
+OBSERVATION_CHARS_PER_TOKEN = 3.0
+TOOL_TURN_TOKENS = 14
+ACTION_TOKENS = 200
+
+
+def episode_token_budget(turns: int, max_tool_response_length: int) -> int:
+    """Tokens an episode of ``turns`` assistant turns can reach: each turn's action, and an observation cut to
+    ``max_tool_response_length`` characters after every turn but the last (the episode ends there)."""
+    observation = math.ceil(max_tool_response_length / OBSERVATION_CHARS_PER_TOKEN) + TOOL_TURN_TOKENS
+    return turns * ACTION_TOKENS + (turns - 1) * observation
+
+
+def check_turn_budget(ctx: Context) -> str:
+    multi_turn = ctx.config.actor_rollout_ref.rollout.multi_turn
+    turns, observation_chars = int(multi_turn.max_assistant_turns), int(multi_turn.max_tool_response_length)
+    response_length = int(ctx.config.data.max_response_length)
+    needed = episode_token_budget(turns, observation_chars)
+    if needed > response_length:
+        # A warning, not a refusal: small pages keep episodes far below the worst case this assumes.
+        fitting = [t for t in range(1, turns) if episode_token_budget(t, observation_chars) <= response_length]
+        turns_fix = f"MAX_ASSISTANT_TURNS to at most {fitting[-1]} or " if fitting else ""
+        return (
+            f"WARNING: {turns} assistant turns can reach {needed} tokens ({ACTION_TOKENS} per action, observations "
+            f"of up to {observation_chars} characters at {OBSERVATION_CHARS_PER_TOKEN} characters per token) but the "
+            f"response length (MAX_RESPONSE_LENGTH) is {response_length}: episodes on large pages will be cut before "
+            f"their last turns; set {turns_fix}MAX_RESPONSE_LENGTH to at least {needed}"
+        )
+    return f"{turns} turns need at most {needed} of {response_length} response tokens"
 
 
 def _load_rows(ctx: Context, dataset_cls: Any, files: Any, tokenizer: Any) -> Any:
@@ -485,7 +548,8 @@ def check_judge(ctx: Context) -> str:
                 f"the judge URL {judge.base_url} is a loopback address, but this run has {nodes} nodes: rollouts run "
                 "on every node and each would call its own node, where no judge runs unless you start one (refused "
                 "connections, episodes flagged judge_unusable). Set JUDGE_BASE_URL to an address every node "
-                "reaches, or run a judge on every node at that URL and set JUDGE_ON_EVERY_NODE=1"
+                "reaches, or run a judge on every node at that URL and set JUDGE_ON_EVERY_NODE=1 "
+                "(docs/cluster-guide.md#the-judge)"
             )
         where = " on every node"
     if not ctx.probe_judge:
@@ -593,7 +657,9 @@ CHECKS: tuple[tuple[str, Callable[[Context], str]], ...] = (
     ("verl", check_verl),
     ("estimator", check_estimator),
     ("agent-loop", check_agent_loop),
+    ("setting-layers", check_setting_layers),
     ("tools", check_tools),
+    ("turn-budget", check_turn_budget),
     ("data", check_data),
     ("interface", check_interface),
     ("prompts", check_prompts),
@@ -621,6 +687,7 @@ def run_checks(
         "data": {"paths"},
         "judge": {"agent-loop", "data"},
         "agent-loop": {"paths"},
+        "setting-layers": {"agent-loop"},
     }
     for name, check in checks:
         if needs.get(name, set()) & failed:

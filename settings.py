@@ -3,10 +3,13 @@
 What this module owns
     * The ``nemo_gym_browser`` settings tree: :class:`BrowserLoopSettings` (the agent loop) and its sections
       :class:`EnvironmentConfig` (``environment``), :class:`UrlPolicy` (``url_policy``), :class:`StepwiseSettings`
-      (``stepwise``) and :class:`JudgeConfig` (``judge``, also loaded alone from ``configs/judge.yaml``).
+      (``stepwise``) and :class:`JudgeConfig` (``judge``).
     * How the loop's settings are resolved (:func:`resolve_settings`): the agent-loop YAML kwargs
       (``configs/agent_loop.yaml``), overridden key by key by the trainer config section ``nemo_gym_browser``
       (e.g. ``+nemo_gym_browser.environment.server_urls=[...]``), parsed once per distinct configuration per process.
+    * Which place a setting is set in (:data:`CONFIG_ENV_SETTINGS`: those ``config.env`` passes on every Slurm run),
+      and the settings one layer gives and a later one silently replaces (:func:`setting_conflicts`, refused by
+      the preflight).
     * The drop switch (:func:`drop_invalid_enabled`): the ``drop_invalid`` setting, else
       ``NEMO_GYM_BROWSER_DROP_INVALID``.
     * The configuration reference (``docs/configuration.md``), generated from the models and from
@@ -240,8 +243,8 @@ class JudgeConfig(Settings):
     error_type: ClassVar[type[SettingsError]] = JudgeConfigError
 
     base_url: str = Field(
-        description="OpenAI-compatible root, e.g. http://127.0.0.1:8001/v1 (requests go to "
-        "{base_url}/chat/completions)."
+        description="OpenAI-compatible root that every rollout worker reaches, e.g. http://judge-node:8001/v1 "
+        "(requests go to {base_url}/chat/completions)."
     )
     model: str = Field(min_length=1, description="The model name the endpoint serves (vLLM: --served-model-name).")
     api_key_env: str | None = Field(
@@ -282,25 +285,12 @@ class JudgeConfig(Settings):
     def _no_key(cls, value: Any) -> Any:
         return None if value in ("", "null") else value
 
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Self:
-        """Read the ``judge`` block of a YAML file (or the whole file if it has none), then apply ``overrides``."""
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, Mapping):
-            raise JudgeConfigError(f"{path}: expected a mapping at the top level")
-        block = data.get("judge", data)
-        if not isinstance(block, Mapping):
-            raise JudgeConfigError(f"{path}: 'judge' must be a mapping")
-        return cls.from_mapping({**block, **(overrides or {})})
-
 
 # ----- the agent loop -----------------------------------------------------------------------------------------
 
 
 class BrowserLoopSettings(Settings):
-    """Everything an operator tunes about browser episodes (agent-loop YAML kwargs + ``nemo_gym_browser`` section)."""
+    """Everything an operator tunes about browser episodes (the trainer config's ``nemo_gym_browser`` section)."""
 
     section: ClassVar[str] = TRAINER_CONFIG_SECTION
 
@@ -344,8 +334,8 @@ class BrowserLoopSettings(Settings):
     url_policy: UrlPolicy = Field(default_factory=UrlPolicy, description="Which URLs policy navigations may open.")
     judge: JudgeConfig | None = Field(
         None,
-        description="Scores tasks without verifier_metadata: a mapping of judge settings or the path of a YAML file "
-        "(configs/judge.yaml works from anywhere); null: no judge.",
+        description="Scores tasks without verifier_metadata: a mapping of the judge settings below (a Slurm run: "
+        "JUDGE_* in config.env); null: no judge.",
     )
     max_tool_response_length: int | None = Field(
         8192,
@@ -366,14 +356,10 @@ class BrowserLoopSettings(Settings):
         if isinstance(environment, Mapping) and environment.get("server_urls"):
             return values
         raise ValueError(
-            "no environment server: set environment.server_urls in the agent-loop config (configs/agent_loop.yaml) "
-            f"or +{TRAINER_CONFIG_SECTION}.environment.server_urls=[...] on the command line"
+            f"no environment server: set {TRAINER_CONFIG_SECTION}.environment.server_urls (submit_webvoyager.sh "
+            "sets it from config.env; without it, on the command line: "
+            f"{TRAINER_CONFIG_SECTION}.environment.server_urls=[...])"
         )
-
-    @field_validator("judge", mode="before")
-    @classmethod
-    def _judge_file(cls, value: Any) -> Any:
-        return JudgeConfig.from_yaml(_recipe_path(value)) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _hold_covers_deadline(self) -> BrowserLoopSettings:
@@ -386,14 +372,6 @@ class BrowserLoopSettings(Settings):
                 f"environment.call_timeout_s = {least_hold:g} (and above the longest time the trainer holds generation)"
             )
         return self
-
-
-def _recipe_path(path: str) -> str:
-    """``path`` as given when it exists, else relative to the recipe folder (``configs/judge.yaml`` works anywhere)."""
-    if os.path.isabs(path) or os.path.exists(path):
-        return path
-    candidate = RECIPE_DIR / path
-    return str(candidate) if candidate.exists() else path
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -426,6 +404,133 @@ def drop_invalid_enabled(setting: bool | None) -> bool:
     if setting is not None:
         return bool(setting)
     return os.environ.get(DROP_INVALID_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----- one place per setting ---------------------------------------------------------------------------------
+
+AGENT_LOOP_YAML_NAME = "configs/agent_loop.yaml"
+TRAINER_YAML_NAME = "configs/webvoyager_grpo.yaml"
+_ABSENT = object()
+
+
+def judge_variable(key: str) -> str:
+    """The ``config.env`` variable of the judge setting ``key`` (``timeout_s`` -> ``JUDGE_TIMEOUT_S``)."""
+    return f"JUDGE_{key.upper()}"
+
+
+@dataclass(frozen=True)
+class ConfigEnvSetting:
+    """A ``nemo_gym_browser`` setting that ``submit_webvoyager.sh`` passes from ``config.env`` on every run."""
+
+    setting: str  # its path under the nemo_gym_browser section
+    variable: str
+    note: str = ""
+
+
+# What config.env sets: the script passes these on every run, so they win over configs/webvoyager_grpo.yaml. A test
+# compares this list with the script's overrides.
+CONFIG_ENV_SETTINGS = (
+    ConfigEnvSetting(
+        "environment.server_urls",
+        "ENV_SERVER_URLS",
+        "empty: `ENV_SERVERS_PER_NODE` servers started on every node, on 127.0.0.1 from port `ENV_BASE_PORT`",
+    ),
+    ConfigEnvSetting("environment.max_sessions_per_server", "ENV_MAX_SESSIONS_PER_SERVER"),
+    ConfigEnvSetting("episode_deadline_s", "EPISODE_DEADLINE_S"),
+    ConfigEnvSetting("session_hold_limit_s", "SESSION_HOLD_LIMIT_S"),
+    ConfigEnvSetting("max_attempts", "MAX_ATTEMPTS"),
+    ConfigEnvSetting("stepwise.enabled", "SAMPLE_MODE", "`trajectory`: false (a sample per episode), `stepwise`: true"),
+    *(
+        ConfigEnvSetting(
+            f"judge.{key}",
+            judge_variable(key),
+            "required when `JUDGE_ENABLE=1`" if field.is_required() else "empty: the default above",
+        )
+        for key, field in JudgeConfig.model_fields.items()
+    ),
+)
+
+
+def _leaves(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and empty mappings are leaves."""
+    leaves: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping) and value:
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
+
+
+def _at(values: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(values, Mapping) or part not in values:
+            return _ABSENT
+        values = values[part]
+    return values
+
+
+def _same(a: Any, b: Any) -> bool:
+    normal = [list(value) if isinstance(value, tuple) else value for value in (a, b)]
+    return normal[0] == normal[1]
+
+
+def _shipped_value(path: str) -> Any:
+    """What ``configs/webvoyager_grpo.yaml`` ships for ``path``: the model's default (a test keeps them equal), or
+    ``???`` for a required setting; ``_ABSENT`` for no setting."""
+    *parents, name = path.split(".")
+    model = _model_at(BrowserLoopSettings, tuple(parents))
+    field = model.model_fields.get(name) if model is not None else None
+    if field is None:
+        return _ABSENT
+    if field.is_required():
+        return "???"
+    return field.get_default(call_default_factory=True)
+
+
+def _shown(value: Any) -> str:
+    # Numbers and switches only: a string could be a URL with credentials in it.
+    return json.dumps(value) if isinstance(value, int | float | bool) or value is None else "another value"
+
+
+def setting_conflicts(
+    loop_kwargs: Mapping[str, Any], trainer_file_section: Mapping[str, Any], composed_section: Mapping[str, Any]
+) -> list[str]:
+    """Settings one layer gives and a later one silently replaces, each naming both places.
+
+    ``loop_kwargs`` are the agent-loop YAML's kwargs, ``trainer_file_section`` the ``nemo_gym_browser`` section of
+    ``configs/webvoyager_grpo.yaml`` as written, ``composed_section`` the same section of the composed trainer config
+    (config.env and command-line overrides applied). Two cases: a key of the agent-loop YAML that the trainer
+    config sets to another value (the section overrides the YAML key by key), and a key of the trainer YAML changed
+    from what it ships that config.env replaces on every run (the value the user edited never reaches the run).
+    """
+    owned = {item.setting: item.variable for item in CONFIG_ENV_SETTINGS}
+    section = TRAINER_CONFIG_SECTION
+    conflicts = []
+    for path, given in _leaves(loop_kwargs).items():
+        final = _at(composed_section, path)
+        if final is _ABSENT or _same(given, final):
+            continue
+        places = [f"config.env ({owned[path]})"] if path in owned else []
+        if _same(_at(trainer_file_section, path), final):
+            places.append(TRAINER_YAML_NAME)
+        where = " or ".join(places or ["a command-line override"])
+        conflicts.append(
+            f"{section}.{path}: {AGENT_LOOP_YAML_NAME} sets {_shown(given)}, but {where} sets {_shown(final)}, which "
+            f"wins (the trainer config's {section} section overrides the agent-loop YAML key by key): set it there "
+            f"and keep {AGENT_LOOP_YAML_NAME} to name and _target_"
+        )
+    for path, written in _leaves(trainer_file_section).items():
+        shipped = _shipped_value(path)
+        final = _at(composed_section, path)
+        if path not in owned or _same(written, shipped) or written is None or final is _ABSENT or _same(written, final):
+            continue
+        back = f" (and put the file back to {_shown(shipped)})" if shipped != "???" else ""
+        conflicts.append(
+            f"{section}.{path}: {TRAINER_YAML_NAME} sets {_shown(written)}, but config.env ({owned[path]}) or a "
+            f"command-line override sets {_shown(final)}, which wins: set {owned[path]} in config.env instead{back}"
+        )
+    return conflicts
 
 
 # ----- environment variables ---------------------------------------------------------------------------------
@@ -547,12 +652,13 @@ REFERENCE_HEADER = f"""# Configuration reference
 Generated from the settings models in `settings.py` by `python -m nemo_gym_browser.settings --reference
 --output docs/configuration.md`; a test fails when this file and the models disagree. Edit the models, not this file.
 
-Every key below is a setting of the agent loop `nemo_gym_browser_agent`. Set it in `configs/agent_loop.yaml` or
-override it key by key from the trainer command line, e.g. `+{TRAINER_CONFIG_SECTION}.environment.server_urls=[...]`
-(the trainer config travels to the Ray workers; shell variables may not). The judge's keys are also read alone from
-`configs/judge.yaml` (key `judge`). An unknown key or a bad value stops the run when the settings are built, naming
-the key. The drop switch also follows the environment variable `{DROP_INVALID_ENV}=1` when `drop_invalid` is
-null.
+Every key below is a setting of the agent loop `nemo_gym_browser_agent`, in the trainer config's section
+`{TRAINER_CONFIG_SECTION}`. Set each in one place ([which place wins](#which-place-wins)): on a Slurm run, `config.env`
+for the keys it has a variable for; else the `{TRAINER_CONFIG_SECTION}` section of `{TRAINER_YAML_NAME}`; for one
+run, the command line, e.g. `{TRAINER_CONFIG_SECTION}.stepwise.history_steps=5` (with a leading `+` for a key that
+section does not list). The trainer config travels to the Ray workers; shell variables may not. An unknown key or a
+bad value stops the run when the settings are built, naming the key. The drop switch also follows the environment
+variable `{DROP_INVALID_ENV}=1` when `drop_invalid` is null.
 """
 
 
@@ -610,11 +716,46 @@ def _section_table(model: type[Settings]) -> list[str]:
     return [*lines, ""]
 
 
+def _layers_section() -> list[str]:
+    lines = [
+        "## Which place wins",
+        "",
+        "Each layer overrides the one before it, key by key:",
+        "",
+        "| | layer | what belongs there |",
+        "| --- | --- | --- |",
+        "| 1 | `settings.py` | the defaults in the tables above |",
+        f"| 2 | `{AGENT_LOOP_YAML_NAME}` | verl's registry entry, `name` and `_target_`, only. Other keys there are "
+        "settings too, but a later layer that sets the same key wins: the preflight refuses one that the trainer "
+        "config sets to another value, naming both files |",
+        f"| 3 | `{TRAINER_YAML_NAME}`, section `{TRAINER_CONFIG_SECTION}` | the recipe's settings, at their defaults: "
+        "edit one here unless the table below gives it a `config.env` variable |",
+        "| 4 | `config.env`, through `submit_webvoyager.sh` | the settings below, passed on every run: the preflight "
+        "refuses a value changed in layer 3 that one of them replaces, naming both places |",
+        "| 5 | the command line, after `submit_webvoyager.sh`'s own flags | one run's overrides, which win over all |",
+        "",
+        "| setting | `config.env` variable | note |",
+        "| --- | --- | --- |",
+    ]
+    for item in CONFIG_ENV_SETTINGS:
+        lines.append(f"| `{TRAINER_CONFIG_SECTION}.{item.setting}` | `{item.variable}` | {item.note} |")
+    return [
+        *lines,
+        "",
+        f"With `JUDGE_ENABLE=0` the script passes no judge (`judge` stays null). `drop_invalid` (null) follows "
+        f"`{DROP_INVALID_ENV}`, which `config.env` sets and the script exports to every node. verl's own keys follow "
+        f"the same order from layer 3 on: what `bash submit_webvoyager.sh --print-overrides` lists comes from "
+        f"`config.env` and wins over `{TRAINER_YAML_NAME}` (e.g. `TRAIN_BATCH_SIZE` over `data.train_batch_size`).",
+        "",
+    ]
+
+
 def configuration_reference() -> str:
     """The Markdown text of ``docs/configuration.md``: one table per settings section."""
     lines = [REFERENCE_HEADER]
     for model in (BrowserLoopSettings, EnvironmentConfig, UrlPolicy, StepwiseSettings, JudgeConfig):
         lines.extend(_section_table(model))
+    lines.extend(_layers_section())
     lines.extend(_environment_section())
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -10,10 +10,12 @@
 ##SBATCH --partition=<PARTITION>
 ##SBATCH --account=<ACCOUNT>
 #
-# Step-wise GRPO on NeMo Gym's interactive_browser with verl 0.9.1 (the recipe in this folder).
+# GRPO on NeMo Gym's interactive_browser with verl 0.9.1 (the recipe in this folder).
 #
 #   cp config.env.example config.env && $EDITOR config.env
-#   sbatch submit_webvoyager.sh --dry-run          # every check that needs no GPU, on the real nodes
+#   sbatch --gpus-per-node=0 --oversubscribe submit_webvoyager.sh --dry-run
+#                                                  # every check that needs no GPU, on the real nodes; the two options
+#                                                  # override the GPU and --exclusive lines below for this job only
 #   sbatch submit_webvoyager.sh                    # train
 #   sbatch submit_webvoyager.sh trainer.total_epochs=1 actor_rollout_ref.actor.optim.lr=5e-7   # extra overrides
 #   bash submit_webvoyager.sh --dry-run            # the same checks on this machine, without Slurm (one node)
@@ -23,21 +25,27 @@
 # Uncomment (remove one '#') and fill in the partition and account lines for your site.
 #
 # What one job does, in order (every step is bounded in time and logged under LOG_DIR/RUN_ID):
-#   1. reads config.env (CONFIG_ENV=path or --config path) and checks it, the data files and the model folder
+#   1. reads config.env (CONFIG_ENV=path or --config path) and checks it, the data files and the model folder; then
+#      checks what training will run on EVERY node at once (node_check.py: verl, CUDA torch seeing the GPUs Slurm
+#      gave, vLLM, flash-attn, Chromium, the gym venv), naming a failing node and the fix
 #   2. composes the full verl config with every override (`main_ppo ... --cfg job`) and checks it (preflight.py):
 #      every row readable, taught the tools TOOL_INTERFACE gives the model, and scorable (verifier_metadata, or a
-#      judge configured); a loopback judge URL on several nodes only with JUDGE_ON_EVERY_NODE=1
+#      judge configured); a loopback judge URL on several nodes only with JUDGE_ON_EVERY_NODE=1; and what verl will
+#      resume from (RESUME; refused when made from another model or other data) and the disk the kept checkpoints
+#      need (checkpointing.py, which also writes the run's fingerprint beside its checkpoints when training starts)
 #   3. starts ENV_SERVERS_PER_NODE NeMo Gym interactive_browser servers on EVERY node, on 127.0.0.1 ports
 #      ENV_BASE_PORT, ENV_BASE_PORT+1, ...: each node's rollout workers use the servers of their own node, so one
 #      list of loopback URLs is right everywhere and no browser server is ever exposed on the cluster network
-#   4. walks one smoke episode against every server, from its own node (smoke_environment.py)
+#   4. walks one smoke episode against every server, from its own node (smoke_environment.py), then opens a sample
+#      of the data's own start pages through each node's first server (start_pages.py): when fewer than
+#      START_PAGE_MIN_SHARE of them load on a node (no route to the sites, a proxy not set), the job stops there
 #   5. starts a Ray head on this node and one Ray worker per other node, waits until all have joined, and checks
 #      that a Ray worker on every node sees the drop switch, the recipe and its estimator, and reaches the judge
 #   6. --dry-run stops here (exit 0); otherwise `python -m verl.trainer.main_ppo` with the recipe's config
 #   and on exit, failure or cancellation stops every process it started, by PID.
 set -euo pipefail
 
-usage() { sed -n '/^# Step-wise GRPO/,/^# Uncomment/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '/^# GRPO on NeMo Gym/,/^# Uncomment/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command line: our flags first; everything after them is passed to verl as hydra overrides, last (so it wins).
@@ -104,11 +112,10 @@ source "${CONFIG_ENV}"
 # ================================================================================================================
 
 # ------------------------------------------------ Paths ---------------------------------------------------------
-: "${PYTHON:=}"
-if [[ -z "${PYTHON}" ]]; then
-    if [[ -x "${RECIPE_DIR}/.venv/bin/python" ]]; then PYTHON="${RECIPE_DIR}/.venv/bin/python"; else PYTHON=python3; fi
-fi
+# Empty: python3 on PATH, never a venv found in the recipe folder; the node check (step 1) refuses one without CUDA torch.
+: "${PYTHON:=python3}"
 : "${GYM_VENV:=${RECIPE_DIR}/.venv-gym}"
+: "${CHROMIUM_PATH:=/usr/bin/chromium}"
 : "${LOG_DIR:=${RECIPE_DIR}/logs}"
 : "${DATA_DIR:=${RECIPE_DIR}/data}"
 : "${TRAIN_FILES:=${DATA_DIR}/train.jsonl}"
@@ -143,24 +150,39 @@ NNODES="${SLURM_JOB_NUM_NODES:-1}"
 : "${ENV_STARTUP_TIMEOUT_S:=180}"
 : "${ENV_SERVER_URLS:=}"
 : "${SMOKE_TIMEOUT_S:=120}"
+: "${START_PAGE_SAMPLE:=8}"
+: "${START_PAGE_MIN_SHARE:=0.5}"
 
 # ------------------------------------------------ Browser episodes ----------------------------------------------
 : "${TOOL_INTERFACE:=browser}"
 : "${EPISODE_DEADLINE_S:=1800}"
 : "${SESSION_HOLD_LIMIT_S:=3600}"
 : "${MAX_ATTEMPTS:=3}"
+: "${SAMPLE_MODE:=trajectory}"
 : "${NEMO_GYM_BROWSER_DROP_INVALID:=0}"
 
 # ------------------------------------------------ Judge ---------------------------------------------------------
 : "${JUDGE_ENABLE:=1}"
-: "${JUDGE_BASE_URL:=http://127.0.0.1:8001/v1}"
-: "${JUDGE_MODEL:=Qwen/Qwen2.5-32B-Instruct}"
-: "${JUDGE_API_KEY_ENV:=}"
-: "${JUDGE_MAX_CONCURRENCY:=16}"
-: "${JUDGE_TIMEOUT_S:=60}"
-: "${JUDGE_MAX_ATTEMPTS:=3}"
 : "${JUDGE_PROBE:=1}"
 : "${JUDGE_ON_EVERY_NODE:=0}"
+# One JUDGE_<KEY> per key of nemo_gym_browser.judge (settings.py's JudgeConfig; a test keeps these lists equal to its
+# fields). Empty: not passed, so the key keeps its default (docs/configuration.md); base_url and model have none.
+JUDGE_TEXT_KEYS=(base_url model api_key_env)
+JUDGE_NUMBER_KEYS=(temperature max_tokens timeout_s connect_timeout_s max_attempts backoff_s backoff_max_s
+    max_concurrency evidence_budget_chars max_trajectory_steps)
+: "${JUDGE_BASE_URL:=}"
+: "${JUDGE_MODEL:=}"
+: "${JUDGE_API_KEY_ENV:=}"
+: "${JUDGE_TEMPERATURE:=}"
+: "${JUDGE_MAX_TOKENS:=}"
+: "${JUDGE_TIMEOUT_S:=}"
+: "${JUDGE_CONNECT_TIMEOUT_S:=}"
+: "${JUDGE_MAX_ATTEMPTS:=}"
+: "${JUDGE_BACKOFF_S:=}"
+: "${JUDGE_BACKOFF_MAX_S:=}"
+: "${JUDGE_MAX_CONCURRENCY:=}"
+: "${JUDGE_EVIDENCE_BUDGET_CHARS:=}"
+: "${JUDGE_MAX_TRAJECTORY_STEPS:=}"
 
 # ------------------------------------------------ Ray -----------------------------------------------------------
 : "${RAY_PORT:=6379}"
@@ -175,9 +197,14 @@ NNODES="${SLURM_JOB_NUM_NODES:-1}"
 # ------------------------------------------------ Logging -------------------------------------------------------
 : "${PROJECT_NAME:=nemo_gym_browser}"
 : "${EXPERIMENT_NAME:=webvoyager_grpo}"
-: "${LOGGER:=console}"
+: "${LOGGER:=console,file}"
 : "${SAVE_FREQ:=20}"
 : "${TEST_FREQ:=10}"
+
+# ------------------------------------------------ Checkpoints ---------------------------------------------------
+: "${RESUME:=auto}"
+: "${RESUME_ACROSS_CHANGES:=0}"
+: "${CHECKPOINTS_TO_KEEP:=2}"
 
 # ================================================================================================================
 # The hydra overrides (the recipe's own settings live in configs/webvoyager_grpo.yaml)
@@ -186,6 +213,11 @@ case "${TOOL_INTERFACE}" in
     browser) TOOL_CONFIG="${RECIPE_DIR}/configs/browser_tool.yaml" ;;
     native) TOOL_CONFIG="${RECIPE_DIR}/configs/browser_native_tools.yaml" ;;
     *) die "TOOL_INTERFACE must be browser or native, not '${TOOL_INTERFACE}'" ;;
+esac
+case "${SAMPLE_MODE}" in
+    trajectory) STEPWISE=false ;;
+    stepwise) STEPWISE=true ;;
+    *) die "SAMPLE_MODE must be trajectory or stepwise, not '${SAMPLE_MODE}'" ;;
 esac
 AGENT_LOOP_CONFIG="${RECIPE_DIR}/configs/agent_loop.yaml"
 
@@ -214,13 +246,42 @@ hydra_list() {
     printf '[%s]' "${out}"
 }
 
+# The judge's section from its JUDGE_* variables: every one that is set, checked first.
 judge_override() {
-    local key_env=null
-    if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then key_env="$(hq "${JUDGE_API_KEY_ENV}")"; fi
-    printf '+nemo_gym_browser.judge={base_url:%s,model:%s,api_key_env:%s,max_concurrency:%s,timeout_s:%s,max_attempts:%s}' \
-        "$(hq "${JUDGE_BASE_URL}")" "$(hq "${JUDGE_MODEL}")" "${key_env}" \
-        "${JUDGE_MAX_CONCURRENCY}" "${JUDGE_TIMEOUT_S}" "${JUDGE_MAX_ATTEMPTS}"
+    local key name missing="" why="" items=()
+    if [[ -z "${JUDGE_BASE_URL}" ]]; then missing="JUDGE_BASE_URL" why="where your judge serves"; fi
+    if [[ -z "${JUDGE_MODEL}" ]]; then missing+="${missing:+ and }JUDGE_MODEL" why+="${why:+, and }the model name it serves"; fi
+    if [[ -n "${missing}" ]]; then
+        die "the judge is on (JUDGE_ENABLE=1): set ${missing} (${why}; see docs/cluster-guide.md#the-judge) or JUDGE_ENABLE=0 (${CONFIG_ENV})"
+    fi
+    for key in "${JUDGE_TEXT_KEYS[@]}" "${JUDGE_NUMBER_KEYS[@]}"; do
+        name="JUDGE_${key^^}"
+        [[ -n "${!name}" ]] || continue
+        if [[ " ${JUDGE_TEXT_KEYS[*]} " == *" ${key} "* ]]; then
+            items+=("${key}:$(hq "${!name}")")
+        elif [[ "${!name}" =~ ^[0-9]+([.][0-9]+)?$ ]]; then
+            items+=("${key}:${!name}")
+        else
+            die "${name} must be a number, not '${!name}' (${CONFIG_ENV})"
+        fi
+    done
+    local IFS=,
+    printf '+nemo_gym_browser.judge={%s}' "${items[*]}"
 }
+
+# RESUME -> verl's resume_mode (and the checkpoint it names); CHECKPOINTS_TO_KEEP=0 -> verl's null, keep every one.
+case "${RESUME}" in
+    off) RESUME_OVERRIDES=("trainer.resume_mode=disable") ;;
+    auto) RESUME_OVERRIDES=("trainer.resume_mode=auto") ;;
+    *global_step_[0-9]*)
+        [[ "${RESUME}" == /* ]] || RESUME="${PWD}/${RESUME}"
+        RESUME_OVERRIDES=("trainer.resume_mode=resume_path" "trainer.resume_from_path=$(hq "${RESUME%/}")")
+        ;;
+    *) die "RESUME must be off, auto or the path of a global_step_<N> checkpoint folder, not '${RESUME}'" ;;
+esac
+[[ "${CHECKPOINTS_TO_KEEP}" =~ ^[0-9]+$ ]] || die "CHECKPOINTS_TO_KEEP must be a whole number, not '${CHECKPOINTS_TO_KEEP}'"
+KEEP="${CHECKPOINTS_TO_KEEP}"
+if ((KEEP == 0)); then KEEP=null; fi
 
 OVERRIDES=(
     "actor_rollout_ref.model.path=$(hq "${MODEL_PATH}")"
@@ -246,17 +307,24 @@ OVERRIDES=(
     "nemo_gym_browser.episode_deadline_s=${EPISODE_DEADLINE_S}"
     "nemo_gym_browser.session_hold_limit_s=${SESSION_HOLD_LIMIT_S}"
     "nemo_gym_browser.max_attempts=${MAX_ATTEMPTS}"
+    "nemo_gym_browser.stepwise.enabled=${STEPWISE}"
     "trainer.nnodes=${NNODES}"
     "trainer.n_gpus_per_node=${GPUS_PER_NODE}"
     "trainer.project_name=$(hq "${PROJECT_NAME}")"
     "trainer.experiment_name=$(hq "${EXPERIMENT_NAME}")"
     "trainer.logger=[${LOGGER}]"
     "trainer.default_local_dir=$(hq "${CHECKPOINT_DIR}/${PROJECT_NAME}/${EXPERIMENT_NAME}")"
+    "${RESUME_OVERRIDES[@]}"
+    "trainer.max_actor_ckpt_to_keep=${KEEP}"
+    "trainer.max_critic_ckpt_to_keep=${KEEP}"
     "trainer.total_epochs=${TOTAL_EPOCHS}"
     "trainer.save_freq=${SAVE_FREQ}"
     "trainer.test_freq=${TEST_FREQ}"
 )
-if [[ "${JUDGE_ENABLE}" == 1 ]]; then OVERRIDES+=("$(judge_override)"); fi
+if [[ "${JUDGE_ENABLE}" == 1 ]]; then
+    JUDGE_OVERRIDE="$(judge_override)" || exit 1 # its die ran in a subshell
+    OVERRIDES+=("${JUDGE_OVERRIDE}")
+fi
 OVERRIDES+=("$@")
 
 MAIN_PPO=("${PYTHON}" -m verl.trainer.main_ppo --config-path="${RECIPE_DIR}/configs" --config-name=webvoyager_grpo)
@@ -295,6 +363,11 @@ if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then NO_CREDENTIALS+=(-u "${JUDGE_API_KEY_EN
 RUN_DIR="${LOG_DIR}/${RUN_ID}"
 mkdir -p "${RUN_DIR}"
 STARTED=$SECONDS
+# Metrics land in the run folder: verl's file logger (LOGGER has file) and TensorBoard (LOGGER has tensorboard) write
+# from verl's trainer process, a Ray actor on any node (hence a LOG_DIR every node can write to). A path exported by
+# config.env wins.
+export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${RUN_DIR}/metrics.jsonl}"
+export TENSORBOARD_DIR="${TENSORBOARD_DIR:-${RUN_DIR}/tensorboard}"
 
 # ================================================================================================================
 # Processes this job starts, and stopping them
@@ -538,22 +611,25 @@ is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
 for name in GPUS_PER_NODE AGENT_WORKERS_PER_NODE ROLLOUT_N TRAIN_BATCH_SIZE PPO_MINI_BATCH_SIZE MAX_PROMPT_LENGTH \
     MAX_RESPONSE_LENGTH MAX_TOKEN_LEN_PER_GPU MAX_ASSISTANT_TURNS ROLLOUT_TP TOTAL_EPOCHS ENV_SERVERS_PER_NODE \
     ENV_BASE_PORT ENV_MAX_SESSIONS_PER_SERVER ENV_STARTUP_TIMEOUT_S SMOKE_TIMEOUT_S EPISODE_DEADLINE_S MAX_ATTEMPTS \
-    JUDGE_MAX_CONCURRENCY JUDGE_TIMEOUT_S JUDGE_MAX_ATTEMPTS RAY_PORT RAY_HEAD_TIMEOUT_S RAY_WORKERS_TIMEOUT_S \
-    STOP_GRACE_S SAVE_FREQ TEST_FREQ; do
+    RAY_PORT RAY_HEAD_TIMEOUT_S RAY_WORKERS_TIMEOUT_S STOP_GRACE_S SAVE_FREQ TEST_FREQ; do
     is_int "${!name}" || die "${name} must be a whole number, not '${!name}' (${CONFIG_ENV})"
 done
 [[ "${NEMO_GYM_BROWSER_DROP_INVALID}" =~ ^[01]$ ]] || die "NEMO_GYM_BROWSER_DROP_INVALID must be 0 or 1"
 [[ "${JUDGE_ENABLE}" =~ ^[01]$ ]] || die "JUDGE_ENABLE must be 0 or 1"
 [[ "${JUDGE_ON_EVERY_NODE}" =~ ^[01]$ ]] || die "JUDGE_ON_EVERY_NODE must be 0 or 1"
+[[ "${RESUME_ACROSS_CHANGES}" =~ ^[01]$ ]] || die "RESUME_ACROSS_CHANGES must be 0 or 1"
 [[ "${ENV_BACKEND}" =~ ^(remote_cdp|local_playwright)$ ]] || die "ENV_BACKEND must be remote_cdp or local_playwright"
+is_int "${START_PAGE_SAMPLE}" || die "START_PAGE_SAMPLE must be a whole number, not '${START_PAGE_SAMPLE}' (${CONFIG_ENV})"
+[[ "${START_PAGE_MIN_SHARE}" =~ ^(0(\.[0-9]+)?|1(\.0*)?|\.[0-9]+)$ ]] ||
+    die "START_PAGE_MIN_SHARE must be a share between 0 and 1, not '${START_PAGE_MIN_SHARE}' (${CONFIG_ENV})"
 ((ENV_SERVERS_PER_NODE >= 1 || ${#ENV_SERVER_URLS} > 0)) || die "ENV_SERVERS_PER_NODE must be at least 1"
 ((MAX_TOKEN_LEN_PER_GPU >= MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)) ||
     die "MAX_TOKEN_LEN_PER_GPU (${MAX_TOKEN_LEN_PER_GPU}) must hold one whole episode: >= MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH"
-[[ -n "${MODEL_PATH}" ]] || die "MODEL_PATH is not set (${CONFIG_ENV})"
+[[ -n "${MODEL_PATH}" ]] || die "MODEL_PATH is not set (${CONFIG_ENV}): a local model folder every node reads"
 if [[ "${MODEL_PATH}" == /* || "${MODEL_PATH}" == .* ]]; then
     [[ -f "${MODEL_PATH}/config.json" ]] || die "MODEL_PATH ${MODEL_PATH} has no config.json"
 else
-    log "MODEL_PATH ${MODEL_PATH} is not a local folder: every node will fetch it from the Hugging Face Hub"
+    log "WARNING: MODEL_PATH ${MODEL_PATH} is not a local folder: every node will fetch it from the Hugging Face Hub, and the prompt checks (chat template, prompt lengths) are skipped; a local folder gets them"
 fi
 for file in "${TRAIN_FILES}" "${VAL_FILES}"; do
     [[ -s "${file}" ]] || die "data file ${file} is missing or empty: python prepare_webvoyager_data.py --output-dir ${DATA_DIR} ..."
@@ -564,17 +640,19 @@ fi
 if [[ ",${LOGGER}," == *",wandb,"* && -z "${WANDB_API_KEY:-}" && "${WANDB_MODE:-}" != offline ]]; then
     die "LOGGER has wandb but neither WANDB_API_KEY nor WANDB_MODE=offline is set"
 fi
+metrics_to=""
+if [[ ",${LOGGER}," == *,file,* ]]; then metrics_to+="; verl's file logger writes ${VERL_FILE_LOGGER_PATH}"; fi
+if [[ ",${LOGGER}," == *,tensorboard,* ]]; then metrics_to+="; TensorBoard writes ${TENSORBOARD_DIR}"; fi
+if [[ -n "${metrics_to}" ]]; then
+    log "metrics: LOGGER=${LOGGER}${metrics_to}"
+else
+    log "note: LOGGER=${LOGGER} keeps no metrics file: add file (or tensorboard) to read them after the job"
+fi
 if [[ "${VERL_USE_EXTERNAL_PLUGINS:-auto}" == none ]]; then
     log "note: VERL_USE_EXTERNAL_PLUGINS=none; the trainer wiring comes from sitecustomize.py on PYTHONPATH"
 fi
 command -v "${PYTHON}" >/dev/null || die "PYTHON ${PYTHON} not found"
 PYTHON="$(command -v "${PYTHON}")"
-RAY_BIN="$(dirname "${PYTHON}")/ray"
-[[ -x "${RAY_BIN}" ]] || RAY_BIN="$(command -v ray || true)"
-[[ -n "${RAY_BIN}" ]] || die "no ray command next to ${PYTHON} or on PATH"
-if [[ -z "${ENV_SERVER_URLS}" ]]; then
-    [[ -f "${GYM_VENV}/.setup-complete" ]] || die "no NeMo Gym environment at ${GYM_VENV}: bash scripts/setup_environment.sh"
-fi
 # A port something else already listens on would answer our readiness and smoke checks in place of our server.
 bash -c "${PORTS_FREE}" ports-free "${RAY_PORT}" || die "RAY_PORT ${RAY_PORT} is already in use on ${HEAD_NODE}"
 if [[ -z "${ENV_SERVER_URLS}" ]]; then
@@ -587,6 +665,38 @@ if [[ -z "${ENV_SERVER_URLS}" ]]; then
 fi
 log "check: config.env, model, data files ($(wc -l <"${TRAIN_FILES}") train / $(wc -l <"${VAL_FILES}") val rows), free ports: ok"
 
+# What training will run, on every node at once (node_check.py, seconds each): verl, CUDA torch and the GPUs Slurm
+# gave, vLLM and flash-attn when the settings need them, Chromium and the gym venv. A node that fails is named with
+# the fix. The head node's report is shown whole, another node's only when it fails; each is in RUN_DIR.
+node_check_args=(--chromium "${CHROMIUM_PATH}" --gym-venv "${GYM_VENV}")
+if [[ -n "${ENV_SERVER_URLS}" ]]; then node_check_args+=(--no-environment-server); fi
+node_check_timeout_s=300  # torch imported cold from a shared file system, then the gym venv's imports (120 s at most)
+t0=$SECONDS
+node_checks=()
+for node in "${NODES[@]}"; do
+    run_on "${node}" "${NO_CREDENTIALS[@]}" timeout -k 5 "${node_check_timeout_s}" "${PYTHON}" \
+        "${RECIPE_DIR}/node_check.py" "${node_check_args[@]}" -- "${OVERRIDES[@]}" >"${RUN_DIR}/node-check-${node}.log" 2>&1 &
+    node_checks+=("$!:${node}")
+done
+failed_nodes=()
+for entry in "${node_checks[@]}"; do
+    node="${entry#*:}"
+    if wait "${entry%%:*}"; then
+        if [[ "${node}" == "${HEAD_NODE}" ]]; then cat "${RUN_DIR}/node-check-${node}.log"; fi
+    else
+        check_rc=$?
+        failed_nodes+=("${node}")
+        cat "${RUN_DIR}/node-check-${node}.log" >&2
+        if ((check_rc == 124)); then echo "node-check ${node}: did not finish within ${node_check_timeout_s} s" >&2; fi
+    fi
+done
+((${#failed_nodes[@]} == 0)) ||
+    die "the node check failed on ${failed_nodes[*]}: each FAIL line above names the fix (${RUN_DIR}/node-check-<node>.log)"
+log "node check passed on ${#NODES[@]} node(s) in $((SECONDS - t0)) s"
+RAY_BIN="$(dirname "${PYTHON}")/ray"
+[[ -x "${RAY_BIN}" ]] || RAY_BIN="$(command -v ray || true)"
+[[ -n "${RAY_BIN}" ]] || die "no ray command next to ${PYTHON} or on PATH"
+
 # ================================================================================================================
 # 2. The full verl config, composed with every override, then checked (no GPU, nothing started)
 # ================================================================================================================
@@ -597,6 +707,10 @@ t0=$SECONDS
     die "verl could not compose the config with these overrides (${RUN_DIR}/overrides.txt)"
 }
 log "config composed by verl.trainer.main_ppo --cfg job in $((SECONDS - t0)) s: ${RUN_DIR}/composed_config.yaml"
+# What verl will resume from (refused when made from another model or other data), and disk for the kept checkpoints.
+checkpoint_args=(--config "${RUN_DIR}/composed_config.yaml")
+if [[ "${RESUME_ACROSS_CHANGES}" == 1 ]]; then checkpoint_args+=(--across-changes); fi
+"${PYTHON}" "${RECIPE_DIR}/checkpointing.py" "${checkpoint_args[@]}" || die "the checkpoint checks failed (above)"
 preflight_args=(--config "${RUN_DIR}/composed_config.yaml")
 judge_probe=()
 if [[ "${JUDGE_ENABLE}" == 1 && "${JUDGE_PROBE}" == 1 ]]; then judge_probe=(--probe-judge); fi
@@ -623,7 +737,8 @@ if [[ -z "${ENV_SERVER_URLS}" ]]; then
             logfile="${RUN_DIR}/env-${node}-${port}.log"
             launch "env-${node}-${port}" "${node}" "${logfile}" "${env_prefix[@]}" "${NO_CREDENTIALS[@]}" "${PYTHON}" \
                 "${RECIPE_DIR}/launch_environment.py" --port "${port}" --backend "${ENV_BACKEND}" \
-                --gym-venv "${GYM_VENV}" --startup-timeout "${ENV_STARTUP_TIMEOUT_S}" --no-probe
+                --gym-venv "${GYM_VENV}" --chromium "${CHROMIUM_PATH}" --startup-timeout "${ENV_STARTUP_TIMEOUT_S}" \
+                --no-probe
             ENV_LOGS["${LAST_PID}"]="${logfile}"
         done
     done
@@ -662,6 +777,43 @@ for entry in "${smoke_pids[@]}"; do
     wait "${entry%%:*}" || { tail -n 30 "${RUN_DIR}/smoke-${node}.log" >&2; die "smoke episode failed on ${node}: ${RUN_DIR}/smoke-${node}.log"; }
 done
 log "smoke episodes walked and verified on ${#URLS[@]} server(s) x ${#NODES[@]} node(s) in $((SECONDS - t0)) s"
+
+# The task sites from every node: a sample of the data's start pages, opened through the node's first server as an
+# episode opens them. A node that cannot reach them would fail every seed, and the run would train on nothing.
+if ((START_PAGE_SAMPLE == 0)); then
+    log "start pages: not checked (START_PAGE_SAMPLE=0): nothing shows whether the nodes reach the task sites"
+else
+    t0=$SECONDS
+    page_pids=()
+    for node in "${NODES[@]}"; do
+        # 8 pages at a time (start_pages.py's default), each bounded by SMOKE_TIMEOUT_S to load and to be observed
+        # and its close by 45 s; 45 s more for the rest.
+        waves=$(((START_PAGE_SAMPLE + 7) / 8))
+        run_on "${node}" "${NO_CREDENTIALS[@]}" timeout "$((waves * (2 * SMOKE_TIMEOUT_S + 45) + 45))" "${PYTHON}" \
+            "${RECIPE_DIR}/start_pages.py" --url "${URLS[0]}" --data "${TRAIN_FILES}" "${VAL_FILES}" \
+            --sample "${START_PAGE_SAMPLE}" --min-share "${START_PAGE_MIN_SHARE}" --timeout "${SMOKE_TIMEOUT_S}" \
+            --node "${node}" >"${RUN_DIR}/start-pages-${node}.log" 2>&1 &
+        page_pids+=("$!:${node}")
+    done
+    short_nodes=()
+    for entry in "${page_pids[@]}"; do
+        node="${entry#*:}"
+        logfile="${RUN_DIR}/start-pages-${node}.log"
+        page_rc=0
+        wait "${entry%%:*}" || page_rc=$?
+        while IFS= read -r line; do log "${line}"; done < <(grep -E \
+            '^(start pages: none|proxy for the environment server|[0-9]+ of [0-9]+ start pages loaded on )' "${logfile}")
+        if ((page_rc == 1)) && grep -q ' start pages loaded on ' "${logfile}"; then
+            grep -E '^  FAIL |^likely cause: ' "${logfile}" >&2 || true
+            short_nodes+=("${node}")
+        elif ((page_rc != 0)); then
+            tail -n 20 "${logfile}" >&2
+            die "the start-page check could not run on ${node} (exit status ${page_rc}): ${logfile}"
+        fi
+    done
+    ((${#short_nodes[@]} == 0)) || die "too few of the data's start pages loaded on ${short_nodes[*]} (START_PAGE_MIN_SHARE=${START_PAGE_MIN_SHARE}): the node(s) may have no route to the task sites, or need a proxy that is not set (HTTPS_PROXY/HTTP_PROXY/NO_PROXY in the job's environment reach Chromium); ${RUN_DIR}/start-pages-<node>.log lists each page and what the server said"
+    log "start pages checked on ${#NODES[@]} node(s) in $((SECONDS - t0)) s"
+fi
 
 # ================================================================================================================
 # 5. Ray: a head on this node, one worker per other node
@@ -799,6 +951,9 @@ elif command -v nvidia-smi >/dev/null; then
 else
     die "no nvidia-smi on ${HEAD_NODE}: training needs GPU nodes (use --dry-run for the checks alone)"
 fi
+# The checks again (the folder may have changed since step 2), then this run's fingerprint beside its checkpoints.
+"${PYTHON}" "${RECIPE_DIR}/checkpointing.py" "${checkpoint_args[@]}" --record --run-id "${RUN_ID}" ||
+    die "the checkpoint checks failed (above)"
 log "training: ${MAIN_PPO[*]} (overrides: ${RUN_DIR}/overrides.txt)"
 "${MAIN_PPO[@]}" "${OVERRIDES[@]}" &
 TRAINER_PID=$!

@@ -87,7 +87,7 @@ class RunSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     # What the driver's fault proxy injects. main_ppo never sees it: whoever starts the proxy builds its rule from it.
     faults: FaultSpec = FaultSpec()  # noqa: RUF009 (frozen, so one shared default is safe)
-    # environment.call_timeout_s; None keeps configs/agent_loop.yaml's. A "hang" fault at a browser call costs this.
+    # environment.call_timeout_s; None keeps the setting's default. A "hang" fault at a browser call costs this.
     call_timeout_s: float | None = None
     # environment.max_sessions_per_server: sessions wait for a free browser instead of crowding the machine
     max_sessions_per_server: int = field(default_factory=local_session_cap)

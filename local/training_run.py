@@ -241,8 +241,8 @@ exit status: 0 trained, 1 training failed, 2 usage error.""",
         "--call-timeout",
         type=float,
         metavar="S",
-        help="seconds a browser call may take before it is an infrastructure timeout (default: configs/"
-        "agent_loop.yaml's 120); each hang fault at a browser call costs this long",
+        help="seconds a browser call may take before it is an infrastructure timeout (default: the setting's "
+        "default, 120); each hang fault at a browser call costs this long",
     )
     parser.add_argument(
         "--max-sessions",

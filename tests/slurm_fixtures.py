@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
+from submit_fixtures import CPU_RUN_EXPORTS, CPU_RUN_SETTINGS
 
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 # Daemons start in a second or two; a loaded 2-core machine can take several times that.
@@ -590,18 +591,25 @@ def assert_nothing_left(job: FinishedJob, ports: list[int]) -> None:
 # --- the jobs' inputs, shared by the one-host and two-host tests -----------------------------------------------
 
 
-def write_recipe_inputs(folder: Path) -> Path:
+def write_recipe_inputs(folder: Path, start_urls: tuple[str, ...] = ()) -> Path:
     """The test model and six rows (two held back for validation) in ``folder``; every task carries
-    ``verifier_metadata``, so a job with ``JUDGE_ENABLE=0`` can score them (or its checks stop it)."""
+    ``verifier_metadata``, so a job with ``JUDGE_ENABLE=0`` can score them (or its checks stop it). The rows start on
+    ``start_urls`` in turn; by default on the Corner Shop's front page, which each two-node host serves on its own
+    loopback and the ``shop_site`` fixture on this machine's (the job's start-page check opens it)."""
     from nemo_gym_browser.local.chat_tokenizer import save_tokenizer_and_config
+    from nemo_gym_browser.local.shop_tasks import page_url
     from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
 
     save_tokenizer_and_config(folder / "model")
     tasks = folder / "tasks.jsonl"
     questions = ["What is the heading of the page?", "Report the page title.", "Summarise the page."]
-    task = {"web_name": "Example", "web": "https://example.org/", "verifier_metadata": {"url_contains": "example.org"}}
+    urls = start_urls or (page_url("index.html"),)
+    task = {"web_name": "Example", "verifier_metadata": {"url_contains": "index.html"}}
     tasks.write_text(
-        "".join(json.dumps({**task, "id": f"Example--{i}", "ques": q}) + "\n" for i, q in enumerate(questions * 2))
+        "".join(
+            json.dumps({**task, "id": f"Example--{i}", "ques": q, "web": urls[i % len(urls)]}) + "\n"
+            for i, q in enumerate(questions * 2)
+        )
     )
     assert prepare_data(["--input", str(tasks), "--output-dir", str(folder / "data"), "--val-fraction", "0.34"]) == 0
     return folder
@@ -638,8 +646,15 @@ def cpu_training_settings(tmp_path: Path, policy: Path, rows: tuple[Path, Path],
     }
 
 
-def write_config_env(path: Path, settings: dict[str, object], exports: dict[str, str] | None = None) -> Path:
-    """``path`` as a config.env: ``KEY=value`` per setting, then ``export KEY=value`` per export."""
+def write_config_env(
+    path: Path, settings: dict[str, object], exports: dict[str, str] | None = None, *, cpu_run: bool = True
+) -> Path:
+    """``path`` as a config.env: ``KEY=value`` per setting, then ``export KEY=value`` per export. With ``cpu_run``
+    (the default) a CPU run on this test process's Python first, as ``submit_fixtures.CPU_RUN_SETTINGS`` and
+    ``CPU_RUN_EXPORTS`` say; what ``settings`` and ``exports`` give wins."""
+    if cpu_run:
+        settings = {**CPU_RUN_SETTINGS, **settings}
+        exports = {**CPU_RUN_EXPORTS, **(exports or {})}
     lines = [f"{key}={value}" for key, value in settings.items()]
     lines += [f"export {key}={value}" for key, value in (exports or {}).items()]
     path.write_text("\n".join(lines) + "\n")

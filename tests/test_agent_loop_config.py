@@ -8,13 +8,15 @@ import json
 import logging
 
 import pytest
+import yaml
 from hydra.utils import get_class
 from omegaconf import OmegaConf
+from submit_fixtures import compose_recipe, script_overrides
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.tool_parser import HermesToolParser
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
-from nemo_gym_browser import browser_agent_loop
+from nemo_gym_browser import browser_agent_loop, preflight
 from nemo_gym_browser.browser_agent_loop import BrowserToolAgentLoop, running_under_v1_trainer
 from nemo_gym_browser.browser_calls import parse_tool_call
 from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema
@@ -27,6 +29,7 @@ from nemo_gym_browser.local.in_process_loop import (
     load_tools,
     make_row,
 )
+from nemo_gym_browser.settings import JudgeConfig, resolve_settings
 from nemo_gym_browser.tool_parser import LenientHermesToolParser
 
 URLS = {"server_urls": ["http://127.0.0.1:1"]}  # never contacted: these tests only build loops
@@ -157,10 +160,75 @@ def test_a_loop_without_browser_tools_refuses_to_start(tokenizer):
         make_loop(tokenizer, [])
 
 
-def test_the_judge_setting_accepts_the_recipes_judge_yaml_by_relative_path(tokenizer, tools):
-    loop = make_loop(tokenizer, tools, judge="configs/judge.yaml")
+def test_the_judge_setting_is_a_mapping_of_the_judges_keys_and_a_file_path_is_refused(tokenizer, tools):
+    loop = make_loop(tokenizer, tools, judge={"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_attempts": 2})
 
-    assert loop.settings.judge is not None and loop.settings.judge.base_url.startswith("http")
+    assert loop.settings.judge == JudgeConfig(base_url="http://127.0.0.1:1/v1", model="m", max_attempts=2)
+    with pytest.raises(Exception, match=r"nemo_gym_browser\.judge: Input should be a valid dictionary"):
+        make_loop(tokenizer, tools, judge="configs/judge.yaml")
+
+
+# ----- one place per setting: the preflight's check of the layers ---------------------------------------------
+
+
+def layered_config(tmp_path, loop_settings: dict, **config_env: str):
+    """The recipe composed as submit_webvoyager.sh composes it, from a config.env with ``config_env`` and an
+    agent-loop YAML whose entry carries ``loop_settings``."""
+    (shipped,) = yaml.safe_load(AGENT_LOOP_YAML.read_text())
+    agent_loop = tmp_path / "agent_loop.yaml"
+    agent_loop.write_text(yaml.safe_dump([{**shipped, **loop_settings}]))
+    values = {"MODEL_PATH": "m", "JUDGE_ENABLE": "0", **config_env}
+    env_file = tmp_path / "config.env"
+    env_file.write_text("".join(f"{key}={value}\n" for key, value in values.items()))
+    path_override = f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agent_loop}"
+    return compose_recipe(script_overrides(env_file, path_override))
+
+
+def setting_layers(config, trainer_yaml=preflight.TRAINER_YAML) -> tuple[bool, str]:
+    try:
+        return True, preflight.check_setting_layers(preflight.Context(config, False), trainer_yaml)
+    except preflight.CheckFailed as exc:
+        return False, str(exc)
+
+
+def test_the_shipped_configs_pass_the_preflights_one_place_per_setting_check(tmp_path):
+    ok, detail = setting_layers(layered_config(tmp_path, {}))
+
+    assert ok, detail
+    assert detail == "each setting comes from one place (the agent-loop YAML holds only name and _target_)"
+
+
+def test_step_wise_mode_switched_on_in_the_agent_loop_yaml_is_refused_where_the_trainer_config_switches_it_off(
+    tmp_path,
+):
+    config = layered_config(tmp_path, {"stepwise": {"enabled": True}})
+    assert resolve_settings({"stepwise": {"enabled": True}}, config).stepwise.enabled is False  # what the loop gets
+
+    ok, detail = setting_layers(config)
+
+    assert not ok
+    assert detail.startswith(
+        "nemo_gym_browser.stepwise.enabled: configs/agent_loop.yaml sets true, but config.env (SAMPLE_MODE) or "
+        "configs/webvoyager_grpo.yaml sets false, which wins"
+    )
+    agreed = layered_config(tmp_path, {"stepwise": {"enabled": True}}, SAMPLE_MODE="stepwise")
+    assert setting_layers(agreed) == (True, "1 setting(s) in the agent-loop YAML, none replaced by the trainer config")
+
+
+def test_a_trainer_yaml_value_that_config_env_replaces_is_refused_naming_both_places(tmp_path):
+    trainer_yaml = tmp_path / "webvoyager_grpo.yaml"
+    trainer_yaml.write_text(
+        preflight.TRAINER_YAML.read_text().replace("\n  max_attempts: 3\n", "\n  max_attempts: 5\n")
+    )
+
+    ok, detail = setting_layers(layered_config(tmp_path, {}), trainer_yaml)
+
+    assert not ok
+    assert detail == (
+        "nemo_gym_browser.max_attempts: configs/webvoyager_grpo.yaml sets 5, but config.env (MAX_ATTEMPTS) or a "
+        "command-line override sets 3, which wins: set MAX_ATTEMPTS in config.env instead (and put the file back to 3)"
+    )
+    assert setting_layers(layered_config(tmp_path, {}, MAX_ATTEMPTS="5"), trainer_yaml)[0]
 
 
 # ----- which trainer is calling -------------------------------------------------------------------------------

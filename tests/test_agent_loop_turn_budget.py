@@ -13,6 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from nemo_gym_browser.judge import BinaryJudge
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.in_process_loop import CONFIG_DIR, build_loop, compose_trainer_config, make_row
+from nemo_gym_browser.preflight import Context, check_turn_budget, episode_token_budget
 from nemo_gym_browser.settings import JudgeConfig
 from nemo_gym_browser.testing import fake_judge as fj
 
@@ -100,35 +101,39 @@ async def test_a_finish_cut_by_the_response_length_does_not_count(server, tokeni
 
 # ----- the recipe's sizes -------------------------------------------------------------------------------------
 
-# Measured with bench/observation_lengths.py and a Qwen2.5 tokenizer: observations at the server's caps take 3.18
-# (real server) and 3.21 (render worst case) characters per token; pages below 3.0 are a few hundred characters.
-OBSERVATION_CHARS_PER_TOKEN = 3.0
-# verl's hermes tool turn around one observation and the generation prompt after it: measured 14 tokens.
-TOOL_TURN_TOKENS = 14
-# One assistant turn: a tool call with a sentence measured 18-56 tokens; the budget allows this much.
-ACTION_TOKENS = 200
 
-
-@pytest.fixture(scope="module")
-def recipe_config():
+def compose_recipe(*overrides: str):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            yield compose(config_name="webvoyager_grpo", overrides=["nemo_gym_browser.environment.server_urls=[x]"])
+            return compose(
+                config_name="webvoyager_grpo", overrides=["nemo_gym_browser.environment.server_urls=[x]", *overrides]
+            )
     finally:
         GlobalHydra.instance().clear()
 
 
+@pytest.fixture(scope="module")
+def recipe_config():
+    return compose_recipe()
+
+
 def test_every_turn_of_the_recipes_budget_fits_its_response_length(recipe_config):
     rollout = recipe_config.actor_rollout_ref.rollout
-    turns = rollout.multi_turn.max_assistant_turns
-    observation_tokens = rollout.multi_turn.max_tool_response_length / OBSERVATION_CHARS_PER_TOKEN
-    # The last turn has no observation after it (the episode ends there).
-    episode = turns * ACTION_TOKENS + (turns - 1) * (observation_tokens + TOOL_TURN_TOKENS)
+    episode = episode_token_budget(rollout.multi_turn.max_assistant_turns, rollout.multi_turn.max_tool_response_length)
 
+    assert episode == 26705  # 10 x 200 + 9 x (8192 / 3.0 + 14): the sum the trainer config's comment shows
     assert episode <= recipe_config.data.max_response_length
     assert rollout.response_length == recipe_config.data.max_response_length
     assert rollout.prompt_length == recipe_config.data.max_prompt_length
+
+
+def test_the_preflight_warns_when_more_turns_than_the_response_length_holds_naming_both_fixes():
+    config = compose_recipe("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=12")
+    message = check_turn_budget(Context(config, probe_judge=False))
+    assert message.startswith("WARNING: 12 assistant turns can reach 32595 tokens")
+    assert "MAX_ASSISTANT_TURNS to at most 10" in message and "MAX_RESPONSE_LENGTH to at least 32595" in message
+    assert not check_turn_budget(Context(compose_recipe(), probe_judge=False)).startswith("WARNING")
 
 
 def test_the_agent_loop_keeps_observations_as_long_as_the_budget_assumes(recipe_config):

@@ -96,7 +96,8 @@ RUN_SIZE_DIFFERENCES = {
     "trainer.default_local_dir": "the checkpoints' path (CHECKPOINT_DIR/PROJECT_NAME/EXPERIMENT_NAME)",
     "trainer.project_name": "PROJECT_NAME",
     "trainer.experiment_name": "EXPERIMENT_NAME",
-    "trainer.logger": "LOGGER; a local run adds verl's file logger, whose metrics.jsonl the driver reads",
+    "trainer.max_actor_ckpt_to_keep": "CHECKPOINTS_TO_KEEP; a local run saves none (verl's null)",
+    "trainer.max_critic_ckpt_to_keep": "CHECKPOINTS_TO_KEEP (no critic under GRPO); verl's null in a local run",
     "nemo_gym_browser.environment.server_urls": "ENV_SERVERS_PER_NODE loopback servers on every node; one "
     "server (behind the fault proxy) here",
     "ray_kwargs.ray_init.address": "the job's Ray cluster (RAY_ADDRESS, started by the script); a private local "

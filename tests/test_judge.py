@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import re
+import shutil
 import socket
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from judge_fixtures import FAST, MakeJudge
+from submit_fixtures import compose_recipe, script_overrides
 
 from nemo_gym_browser import judge as judge_module
+from nemo_gym_browser import preflight
 from nemo_gym_browser.judge import (
     FAILURE_TOKEN,
     SUCCESS_TOKEN,
@@ -21,7 +28,9 @@ from nemo_gym_browser.judge import (
     parse_verdict_text,
     render_messages,
 )
-from nemo_gym_browser.settings import JudgeConfig, JudgeConfigError
+from nemo_gym_browser.local.chat_tokenizer import save_tokenizer_and_config
+from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
+from nemo_gym_browser.settings import JudgeConfig, JudgeConfigError, judge_variable
 from nemo_gym_browser.testing.fake_judge import (
     Behaviour,
     FakeJudgeServer,
@@ -43,7 +52,7 @@ from nemo_gym_browser.testing.fake_judge import (
     with_reasoning,
 )
 
-CONFIG_YAML = Path(__file__).resolve().parents[1] / "configs" / "judge.yaml"
+ENDPOINT = {"base_url": "http://127.0.0.1:8001/v1", "model": "judge-model"}
 # Small enough to keep the suite fast, large enough for loopback on a busy 2-core machine.
 TOKEN_ANYWHERE = re.compile(r"judge[\W_]*verdict[\W_]*success", re.IGNORECASE)
 
@@ -476,19 +485,19 @@ def test_a_missing_api_key_variable_is_a_config_error_naming_the_variable(monkey
 # --- configuration and lifetime -------------------------------------------------------------------------------------
 
 
-def test_the_shipped_config_loads_keyless_at_temperature_zero() -> None:
-    config = JudgeConfig.from_yaml(CONFIG_YAML)
+def test_a_judge_given_only_its_endpoint_is_keyless_at_temperature_zero() -> None:
+    config = JudgeConfig.from_mapping(ENDPOINT)
     assert config.temperature == 0.0 and config.api_key_env is None
-    assert BinaryJudge.from_config(CONFIG_YAML).config == config
+    assert BinaryJudge.from_config(ENDPOINT).config == config
 
 
 def test_config_values_given_as_strings_are_converted_and_typos_raise() -> None:
-    config = JudgeConfig.from_yaml(CONFIG_YAML, {"max_attempts": "5", "timeout_s": "2.5", "api_key_env": ""})
+    config = JudgeConfig.from_mapping({**ENDPOINT, "max_attempts": "5", "timeout_s": "2.5", "api_key_env": ""})
     assert (config.max_attempts, config.timeout_s, config.api_key_env) == (5, 2.5, None)
     with pytest.raises(JudgeConfigError, match="max_atempts"):
-        JudgeConfig.from_yaml(CONFIG_YAML, {"max_atempts": 5})
+        JudgeConfig.from_mapping({**ENDPOINT, "max_atempts": 5})
     with pytest.raises(JudgeConfigError, match="max_attempts"):
-        JudgeConfig.from_yaml(CONFIG_YAML, {"max_attempts": 0})
+        JudgeConfig.from_mapping({**ENDPOINT, "max_attempts": 0})
     with pytest.raises(JudgeConfigError, match="base_url"):
         JudgeConfig.from_mapping({"base_url": "127.0.0.1:8001", "model": "m"})
 
@@ -524,3 +533,168 @@ def test_a_judge_can_serve_one_event_loop_after_another() -> None:
 
     first, second = asyncio.run(once()), asyncio.run(once())
     assert first.reason == second.reason and "transport error" in second.reason
+
+
+# --- the judge of a Slurm run: config.env, the shipped example and the serving examples ----------------------------
+
+RECIPE = Path(__file__).resolve().parents[1]
+EXAMPLE = RECIPE / "config.env.example"
+EXAMPLES = RECIPE / "examples"
+FRAGMENTS = {"own node": EXAMPLES / "judge_own_node.env", "training nodes": EXAMPLES / "judge_on_training_nodes.env"}
+NO_SLURM = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+
+
+@pytest.fixture(scope="module")
+def open_ended_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder and 40 WebVoyager-like tasks without verifier_metadata (only a judge can score them), enough
+    rows for the shipped batch size."""
+    root = tmp_path_factory.mktemp("open_ended")
+    save_tokenizer_and_config(root / "model")
+    tasks = root / "tasks.jsonl"
+    task = {"web_name": "Example", "web": "https://example.org/"}
+    rows = [{**task, "id": f"Example--{i}", "ques": f"Report the title of page {i}."} for i in range(40)]
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert prepare_data(["--input", str(tasks), "--output-dir", str(root / "data")]) == 0
+    return root
+
+
+def user_config_env(path: Path, inputs: Path, *fragments: Path, **values: str) -> Path:
+    """config.env.example as shipped, then each fragment appended, then the lines a user adds (the model, the data)."""
+    lines = [f"MODEL_PATH={inputs / 'model'}", f"DATA_DIR={inputs / 'data'}", f"LOG_DIR={path.parent / 'logs'}"]
+    lines += [f"{key}={value}" for key, value in values.items()]
+    path.write_text(EXAMPLE.read_text() + "".join(f.read_text() for f in fragments) + "\n".join(lines) + "\n")
+    return path
+
+
+def other_than_default(name: str, field: Any) -> Any:
+    """A valid value for judge setting ``name`` that is not its default."""
+    given = {"base_url": "http://judge.test:8001/v1", "model": "judge/model-x", "api_key_env": "JUDGE_TEST_KEY"}
+    if name in given:
+        return given[name]
+    if field.annotation in (int, float):
+        return field.default + (1 if field.annotation is int else 0.5)
+    raise AssertionError(f"judge.{name}: give it a JUDGE_{name.upper()} in submit_webvoyager.sh, then a value here")
+
+
+def test_every_judge_setting_is_reachable_from_config_env_as_judge_key(tmp_path: Path) -> None:
+    wanted = {name: other_than_default(name, field) for name, field in JudgeConfig.model_fields.items()}
+    values = {judge_variable(name): str(value) for name, value in wanted.items()}
+    config_env = tmp_path / "config.env"
+    config_env.write_text("MODEL_PATH=m\n" + "".join(f"{key}={value}\n" for key, value in values.items()))
+
+    judge = compose_recipe(script_overrides(config_env, env=NO_SLURM)).nemo_gym_browser.judge
+
+    assert JudgeConfig.from_mapping(judge) == JudgeConfig(**wanted)
+    assert sorted(judge) == sorted(JudgeConfig.model_fields)
+
+
+def test_config_env_example_documents_each_judge_setting_with_its_default() -> None:
+    shipped = dict(re.findall(r"^(JUDGE_[A-Z_]+)=(.*)$", EXAMPLE.read_text(), flags=re.MULTILINE))
+
+    for name, field in JudgeConfig.model_fields.items():
+        value = shipped[judge_variable(name)]
+        if field.is_required() or field.default is None:
+            assert value == "", f"{judge_variable(name)}: the user's to set"
+        else:
+            assert float(value) == field.default, f"{judge_variable(name)}={value}, the default is {field.default}"
+
+
+def test_the_shipped_example_with_only_a_model_and_data_stops_at_once_naming_the_judge_settings_to_give(
+    open_ended_inputs: Path, tmp_path: Path
+) -> None:
+    config_env = user_config_env(tmp_path / "config.env", open_ended_inputs)
+
+    result = subprocess.run(
+        ["bash", str(RECIPE / "submit_webvoyager.sh"), "--config", str(config_env), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=NO_SLURM,
+    )
+
+    assert result.returncode == 1
+    (error,) = result.stderr.splitlines()
+    assert error.endswith(
+        "ERROR: the judge is on (JUDGE_ENABLE=1): set JUDGE_BASE_URL and JUDGE_MODEL (where your judge serves, and "
+        f"the model name it serves; see docs/cluster-guide.md#the-judge) or JUDGE_ENABLE=0 ({config_env})"
+    )
+    assert result.stdout == ""  # nothing composed, started or logged
+
+
+async def test_the_shipped_example_with_a_model_data_and_a_judge_passes_every_check_with_the_judge_probed(
+    open_ended_inputs: Path, tmp_path: Path
+) -> None:
+    async with FakeJudgeServer(model="Qwen/Qwen2.5-32B-Instruct") as server:
+        values = {"JUDGE_BASE_URL": server.base_url, "JUDGE_MODEL": server.model}
+        config = compose_recipe(
+            script_overrides(user_config_env(tmp_path / "config.env", open_ended_inputs, **values), env=NO_SLURM)
+        )
+        # JUDGE_PROBE=1 as shipped; in a thread, so that this loop keeps serving the judge
+        results = await asyncio.to_thread(preflight.run_checks, config, probe_judge=True)
+
+    assert [(name, detail) for name, ok, detail in results if not ok] == []
+    assert dict((name, detail) for name, _, detail in results)["judge"] == f"{server.base_url} serves {server.model}"
+    assert [request.path for request in server.requests] == ["/v1/models"]
+
+
+@pytest.mark.parametrize("shape", sorted(FRAGMENTS))
+def test_each_judge_example_config_passes_every_check_on_two_training_nodes(
+    open_ended_inputs: Path, tmp_path: Path, shape: str
+) -> None:
+    config_env = user_config_env(tmp_path / "config.env", open_ended_inputs, FRAGMENTS[shape])
+    config = compose_recipe(script_overrides(config_env, env={**NO_SLURM, "SLURM_JOB_NUM_NODES": "2"}))
+
+    # Not probed: the example's judge is not running here (the dry run asks it from every node).
+    results = preflight.run_checks(config, judge_on_every_node=shape == "training nodes")
+
+    assert [(name, detail) for name, ok, detail in results if not ok] == []
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 6 if shape == "training nodes" else 8)
+
+
+def test_the_shipped_serving_examples_pass_bash_n_and_shellcheck_and_set_only_config_env_variables() -> None:
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is not installed (scripts/test.sh installs it: apt-get install shellcheck)"
+    scripts = sorted([*EXAMPLES.glob("*.sbatch"), *EXAMPLES.glob("*.sh")])
+    assert {path.name for path in scripts} >= {"judge_own_node.sbatch", "judge_on_training_nodes.sbatch"}
+    for path in [*scripts, *FRAGMENTS.values()]:
+        assert subprocess.run(["bash", "-n", str(path)], capture_output=True, timeout=30).returncode == 0, path
+    checked = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout
+    # A fragment only sets what the script reads; SC2034 (assigned, never used) is what a config.env is.
+    fragments = [shellcheck, "--shell=bash", "--exclude=SC2034", *map(str, FRAGMENTS.values())]
+    checked = subprocess.run(fragments, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout
+    documented = set(re.findall(r"^([A-Z_]+)=", EXAMPLE.read_text(), flags=re.MULTILINE))
+    for path in FRAGMENTS.values():
+        assert set(re.findall(r"^([A-Z_]+)=", path.read_text(), flags=re.MULTILINE)) <= documented, path
+
+
+def test_the_largest_judge_prompt_is_its_evidence_budget_and_at_most_2500_characters_more() -> None:
+    # docs/cluster-guide.md#the-judge sizes the judge's context with this.
+    evidence_at_every_cap = evidence(
+        task="t" * 9000,
+        reference_answer="r" * 9000,
+        final_answer="a" * 40000,
+        page_url="https://example.org/" + "u" * 2000,
+        page_title="T" * 2000,
+        page_text="p" * 200000,
+        last_steps=tuple(f"click({i}) -> " + "s" * 1000 for i in range(40)),
+    )
+    lengths = {}
+    for budget in (16000, 64000):
+        config = JudgeConfig.from_mapping({**ENDPOINT, "evidence_budget_chars": budget})
+        lengths[budget] = sum(len(message["content"]) for message in render_messages(evidence_at_every_cap, config))
+        assert budget < lengths[budget] <= budget + 2500
+    assert lengths[16000] == 18384  # the figure the guide gives for the default budget
+
+
+def test_the_docs_sections_the_judge_settings_and_examples_point_users_to_exist() -> None:
+    sources = [RECIPE / "submit_webvoyager.sh", EXAMPLE, *EXAMPLES.glob("judge_*")]
+    targets = {target for path in sources for target in re.findall(r"docs/([\w-]+\.md#[\w-]+)", path.read_text())}
+    assert "cluster-guide.md#the-judge" in targets
+
+    for target in targets:
+        page, _, section = target.partition("#")
+        headings = re.findall(r"^#+ (.+)$", (RECIPE / "docs" / page).read_text(), flags=re.MULTILINE)
+        anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower().replace("`", "")).replace(" ", "-") for h in headings}
+        assert section in anchors, target

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +48,14 @@ def disagreements(model: type[Settings], values: dict[str, Any], where: str) -> 
     return found
 
 
-def test_every_value_in_the_agent_loop_yaml_is_the_models_default():
+def test_the_agent_loop_yaml_holds_only_verls_registry_entry():
+    # Its settings would be overridden by the trainer config's section: they live there (one place per setting).
     (entry,) = yaml.safe_load((RECIPE / "configs" / "agent_loop.yaml").read_text())
-    values = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
 
-    assert disagreements(BrowserLoopSettings, values, "agent_loop.yaml") == []
-    assert "enabled" in values["stepwise"]  # the check does reach the nested sections
+    assert sorted(entry) == ["_target_", "name"]
 
 
-@pytest.mark.parametrize("name", ["agent_loop.yaml", "judge.yaml", "webvoyager_grpo.yaml"])
+@pytest.mark.parametrize("name", ["agent_loop.yaml", "webvoyager_grpo.yaml"])
 def test_the_yaml_files_set_values_without_a_second_copy_of_their_descriptions(name):
     text = (RECIPE / "configs" / name).read_text()
     if name == "webvoyager_grpo.yaml":
@@ -70,14 +71,6 @@ def test_every_value_in_the_trainer_configs_section_is_the_models_default():
     assert disagreements(BrowserLoopSettings, section, "webvoyager_grpo.yaml nemo_gym_browser") == []
 
 
-def test_every_value_in_the_judge_yaml_is_the_models_default_except_the_endpoint():
-    block = yaml.safe_load((RECIPE / "configs" / "judge.yaml").read_text())["judge"]
-    endpoint = {key: block.pop(key) for key in ("base_url", "model")}  # an example endpoint, required settings
-
-    assert disagreements(JudgeConfig, block, "judge.yaml") == []
-    assert JudgeConfig.from_mapping({**endpoint, **block}).model == endpoint["model"]
-
-
 def test_a_yaml_value_that_disagrees_with_the_model_is_reported():
     assert disagreements(EnvironmentConfig, {"call_timeout_s": 60}, "x") == [
         "x.call_timeout_s: the file says 60, the model's default is 120.0"
@@ -85,6 +78,9 @@ def test_a_yaml_value_that_disagrees_with_the_model_is_reported():
     assert disagreements(BrowserLoopSettings, {"stepwise": {"history_step": 3}}, "x") == [
         "x.stepwise.history_step: not a setting"
     ]
+    assert disagreements(BrowserLoopSettings, {"stepwise": {"enabled": True}}, "x") == [
+        "x.stepwise.enabled: the file says True, the model's default is False"
+    ]  # the check reaches the nested sections
 
 
 def test_every_setting_has_a_description():
@@ -119,12 +115,9 @@ def test_the_reference_cli_writes_the_file_and_check_reports_a_stale_one(tmp_pat
     assert "out of date" in capsys.readouterr().err
 
 
-def test_a_typo_in_the_judge_yaml_names_the_key_and_the_keys_allowed_there(tmp_path):
-    path = tmp_path / "judge.yaml"
-    path.write_text("judge: {base_url: 'http://127.0.0.1:1/v1', model: m, max_atempts: 5}\n")
-
+def test_a_typo_in_a_judge_setting_names_the_key_and_the_keys_allowed_there():
     with pytest.raises(JudgeConfigError, match=r"judge\.max_atempts: unknown key; allowed here: base_url, model, "):
-        JudgeConfig.from_yaml(path)
+        JudgeConfig.from_mapping({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_atempts": 5})
 
 
 def test_several_wrong_keys_are_reported_together_each_by_its_path():
@@ -167,3 +160,100 @@ def test_every_environment_variable_the_code_reads_is_in_the_reference_and_no_ot
     assert sorted(listed - set(read)) == []
     assert all(f"| `{name}` |" in text for name in listed)
     assert len(read) >= 12 and "NEMO_GYM_BROWSER_PATCHES" in read  # the scan does reach the code
+
+
+# ----- one place per setting ----------------------------------------------------------------------------------
+
+SHIPPED_SECTION = yaml.safe_load((RECIPE / "configs" / "webvoyager_grpo.yaml").read_text())["nemo_gym_browser"]
+SERVERS = {"server_urls": ["http://127.0.0.1:8100"], "max_sessions_per_server": 64}
+
+
+def composed(**changes: Any) -> dict[str, Any]:
+    """The section as a run composes it: the shipped one, the script's server list, then ``changes`` on top."""
+    return st._deep_merge({**SHIPPED_SECTION, "environment": SERVERS}, changes)
+
+
+def test_an_agent_loop_yaml_key_the_trainer_config_sets_otherwise_is_refused_naming_both_places():
+    (conflict,) = st.setting_conflicts({"stepwise": {"enabled": True}}, SHIPPED_SECTION, composed())
+
+    assert conflict.startswith("nemo_gym_browser.stepwise.enabled: configs/agent_loop.yaml sets true, but ")
+    assert "config.env (SAMPLE_MODE) or configs/webvoyager_grpo.yaml sets false, which wins" in conflict
+    assert "keep configs/agent_loop.yaml to name and _target_" in conflict
+
+
+def test_an_agent_loop_yaml_key_the_trainer_config_agrees_with_or_does_not_set_stands():
+    kwargs = {"stepwise": {"enabled": False}, "resample_backoff_s": 2.0, "url_policy": {"allowlist": ["*.corp"]}}
+
+    assert st.setting_conflicts(kwargs, SHIPPED_SECTION, composed()) == []
+
+
+def test_an_agent_loop_yaml_key_replaced_from_the_command_line_names_the_command_line():
+    kwargs, replaced = {"trajectory_dir": "/data/mine"}, composed(trajectory_dir="/data/theirs")
+    (conflict,) = st.setting_conflicts(kwargs, SHIPPED_SECTION, replaced)
+
+    assert "configs/agent_loop.yaml sets another value, but a command-line override sets another value" in conflict
+    assert "/data/" not in conflict  # text values are never shown (a URL may carry a password)
+
+
+def test_a_trainer_yaml_value_changed_from_its_default_that_config_env_replaces_is_refused_naming_both_places():
+    edited = st._deep_merge(SHIPPED_SECTION, {"max_attempts": 5})
+
+    (conflict,) = st.setting_conflicts({}, edited, composed(max_attempts=3))
+
+    assert conflict == (
+        "nemo_gym_browser.max_attempts: configs/webvoyager_grpo.yaml sets 5, but config.env (MAX_ATTEMPTS) or a "
+        "command-line override sets 3, which wins: set MAX_ATTEMPTS in config.env instead (and put the file back to 3)"
+    )
+    assert st.setting_conflicts({}, edited, composed(max_attempts=5)) == []  # both places agree
+
+
+def test_config_env_over_the_trainer_yamls_defaults_and_the_command_line_over_its_other_keys_stand():
+    assert st.setting_conflicts({}, SHIPPED_SECTION, composed(max_attempts=5, stepwise={"enabled": True})) == []
+    edited = st._deep_merge(SHIPPED_SECTION, {"stepwise": {"history_steps": 4}})  # no config.env variable sets it
+    assert st.setting_conflicts({}, edited, composed(stepwise={"history_steps": 6})) == []
+
+
+def test_the_shipped_configs_give_no_setting_twice():
+    (entry,) = yaml.safe_load((RECIPE / "configs" / "agent_loop.yaml").read_text())
+    kwargs = {key: value for key, value in entry.items() if key not in ("name", "_target_")}
+
+    assert st.setting_conflicts(kwargs, SHIPPED_SECTION, composed()) == []
+
+
+def print_overrides(tmp_path: Path, settings: dict[str, str]) -> list[str]:
+    config_env = tmp_path / "config.env"
+    config_env.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
+    result = subprocess.run(
+        ["bash", str(RECIPE / "submit_webvoyager.sh"), "--config", str(config_env), "--print-overrides"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={key: value for key, value in os.environ.items() if not key.startswith("SLURM_")},
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_the_config_env_settings_in_the_reference_are_those_the_submit_script_passes(tmp_path):
+    judge = {st.judge_variable(key): "1" for key in JudgeConfig.model_fields}
+    judge |= {"JUDGE_BASE_URL": "http://judge.test:1/v1", "JUDGE_MODEL": "m", "JUDGE_API_KEY_ENV": "K"}
+    overrides = print_overrides(tmp_path, {"MODEL_PATH": "m", **judge})
+
+    passed = set()
+    for line in overrides:
+        key, _, value = line.lstrip("+").partition("=")
+        if key == "nemo_gym_browser.judge":
+            passed |= {f"judge.{item.split(':', 1)[0]}" for item in value.strip("{}").split(",")}
+        elif key.startswith("nemo_gym_browser."):
+            passed.add(key.removeprefix("nemo_gym_browser."))
+    assert passed == {item.setting for item in st.CONFIG_ENV_SETTINGS}
+    example = (RECIPE / "config.env.example").read_text()
+    assert all(f"\n{item.variable}=" in example for item in st.CONFIG_ENV_SETTINGS)
+    assert "| `nemo_gym_browser.stepwise.enabled` | `SAMPLE_MODE` |" in st.configuration_reference()
+
+
+@pytest.mark.parametrize(("mode", "enabled"), [("trajectory", "false"), ("stepwise", "true")])
+def test_sample_mode_in_config_env_sets_the_step_wise_switch(tmp_path, mode, enabled):
+    overrides = print_overrides(tmp_path, {"MODEL_PATH": "m", "JUDGE_ENABLE": "0", "SAMPLE_MODE": mode})
+
+    assert f"nemo_gym_browser.stepwise.enabled={enabled}" in overrides

@@ -29,6 +29,8 @@ from slurm_fixtures import (
     write_recipe_inputs,
 )
 
+from nemo_gym_browser import preflight
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +38,8 @@ SCRIPT = REPO / "submit_webvoyager.sh"
 
 
 @pytest.fixture
-def recipe_inputs(tmp_path: Path) -> Path:
+def recipe_inputs(tmp_path: Path, shop_site) -> Path:
+    """The test model and rows, whose start page (the Corner Shop's) the shop on this machine's loopback serves."""
     return write_recipe_inputs(tmp_path)
 
 
@@ -78,9 +81,10 @@ def test_sbatch_dry_run_brings_everything_up_on_loopback_checks_it_and_leaves_no
     expected = [
         f"run {run_id}: mode dry-run, 1 node(s) (localhost), recipe {REPO}",
         "config composed by verl.trainer.main_ppo --cfg job",
-        "preflight: all 9 checks passed",
+        f"preflight: all {len(preflight.CHECKS)} checks passed",
         f"environment servers up: 1 per node on 1 node(s), 127.0.0.1 ports {env_port}-{env_port}",
         "smoke episodes walked and verified on 1 server(s) x 1 node(s)",
+        "1 of 1 start pages loaded on localhost (100%",  # the data's start page, opened from the node
         f"Ray head up at 127.0.0.1:{ray_port} (loopback)",
         "on loopback, 0 elsewhere",  # every socket this run listens on (Ray, the server, Chromium) is on loopback
         "Ray cluster: 1 of 1 node(s) joined",

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from slurm_fixtures import (
     write_recipe_inputs,
 )
 
+from nemo_gym_browser import preflight
 from nemo_gym_browser.local import cpu_backend
 from nemo_gym_browser.local.training_run import read_step_metrics
 
@@ -116,9 +118,16 @@ def test_two_node_dry_run_serves_and_smokes_on_both_hosts_joins_h2_to_the_head_a
         job.log,
         [
             f"run {run_id}: mode dry-run, 2 node(s) (h1 h2), recipe {REPO}",
-            "preflight: all 9 checks passed",
+            # what training will run, on both hosts: the test venv's CPU torch, accepted because the run says CPU
+            "node-check h1: ok   torch: torch ",
+            "CPU run (VERL_PLATFORM=cpu): CUDA not checked",
+            "node check passed on 2 node(s)",
+            f"preflight: all {len(preflight.CHECKS)} checks passed",
             f"environment servers up: 1 per node on 2 node(s), 127.0.0.1 ports {ENV_PORT}-{ENV_PORT}",
             "smoke episodes walked and verified on 1 server(s) x 2 node(s)",
+            # the data's start page (the shop each host serves on its own loopback), opened from each host
+            "1 of 1 start pages loaded on h1 (100%",
+            "1 of 1 start pages loaded on h2 (100%",
             # Slurm's NodeAddr, not the Docker bridge `hostname -I` lists first
             "node addresses: h1=10.211.0.1 h2=10.211.0.2",
             f"Ray head up at 10.211.0.1:{RAY_PORT}",
@@ -345,3 +354,107 @@ def test_scancel_mid_run_stops_every_process_on_both_hosts(
     assert "cleanup: killing" not in log  # everything stopped within the grace period, nothing was forced
     assert re.search(rf"cleanup: done; no process of run {run_id} is left on h1", log), log[-3000:]
     assert_nothing_left_on_either_host(two_node_slurm, job_id, log)
+
+
+# ----- the web from the hosts ---------------------------------------------------------------------------------------
+
+# Three of WebVoyager's sites. The hosts' namespaces route nothing beyond their own /24: like nodes without web access,
+# they cannot resolve or reach these (and no packet leaves this machine).
+TASK_SITES = ("https://www.allrecipes.com/", "https://www.amazon.com/", "https://github.com/")
+
+
+def test_when_the_hosts_have_no_route_to_the_task_sites_the_dry_run_reports_0_of_n_start_pages_and_stops_before_ray(
+    two_node_slurm: LocalSlurm, tmp_path: Path
+) -> None:
+    (tmp_path / "inputs").mkdir()
+    inputs = write_recipe_inputs(tmp_path / "inputs", start_urls=TASK_SITES)
+    config_env = dry_run_config(inputs, tmp_path)
+    run_id = f"two-node-noweb-{os.getpid()}-{int(time.time())}"
+    job = sbatch_wait(
+        two_node_slurm,
+        SCRIPT,
+        ["--dry-run"],
+        config_env=config_env,
+        run_id=run_id,
+        workdir=tmp_path,
+        timeout_s=DRY_RUN_TIMEOUT_S,
+        expect_failure=True,
+    )
+    print(f"sbatch --wait --dry-run with no route to the task sites took {job.seconds:.1f} s")
+    assert_in_order(
+        job.log,
+        [
+            "smoke episodes walked and verified on 1 server(s) x 2 node(s)",
+            "proxy for the environment server and its Chromium on h1: none",
+            "0 of 3 start pages loaded on h1 (0%; at least 50% required): too few",
+            "proxy for the environment server and its Chromium on h2: none",
+            "0 of 3 start pages loaded on h2 (0%; at least 50% required): too few",
+            "ERROR: too few of the data's start pages loaded on h1 h2 (START_PAGE_MIN_SHARE=0.5): the node(s) may have "
+            "no route to the task sites, or need a proxy that is not set",
+            f"cleanup: done; no process of run {run_id} is left on h1 h2\n",
+        ],
+    )
+    # training would have stopped at the same step: it comes before Ray and the trainer, in every mode
+    assert "Ray head up" not in job.log and "dry run passed" not in job.log
+    for node in ("h1", "h2"):
+        pages = read(tmp_path / "logs" / run_id / f"start-pages-{node}.log")
+        for site in TASK_SITES:  # each page, with the server's own message
+            assert re.search(
+                rf"^  FAIL  {re.escape(site)} .*/seed_session answered HTTP 500: .*net::ERR_", pages, re.M
+            ), pages
+        assert "likely cause: this node may have no route to the task sites" in pages
+    assert_nothing_left_on_either_host(two_node_slurm, job.job_id, job.log)
+
+
+# ----- what training will run, checked on every host -----------------------------------------------------------------
+
+
+def test_a_dry_run_whose_default_python_has_cpu_torch_fails_on_both_hosts_before_anything_starts_naming_the_fix(
+    two_node_slurm: LocalSlurm, recipe_inputs: Path, tmp_path: Path
+) -> None:
+    # No PYTHON and no VERL_PLATFORM=cpu: the job runs python3 from PATH, where this test venv (verl 0.9.1 on a CPU
+    # torch, what rehearse.sh and test.sh build in the recipe folder) comes first.
+    venv_bin = Path(sys.executable).parent
+    settings = {
+        "MODEL_PATH": recipe_inputs / "model",
+        "DATA_DIR": recipe_inputs / "data",
+        "LOG_DIR": tmp_path / "logs",
+        "TRAIN_BATCH_SIZE": 2,
+        "PPO_MINI_BATCH_SIZE": 2,
+        "ENV_SERVERS_PER_NODE": 1,
+        "JUDGE_ENABLE": 0,
+    }
+    exports = {"PATH": f"{venv_bin}:$PATH"}
+    config_env = write_config_env(tmp_path / "config.env", settings, exports, cpu_run=False)
+    run_id = f"two-node-cpu-torch-{os.getpid()}-{int(time.time())}"
+    job = sbatch_wait(
+        two_node_slurm,
+        SCRIPT,
+        ["--dry-run"],
+        config_env=config_env,
+        run_id=run_id,
+        workdir=tmp_path,
+        timeout_s=DRY_RUN_TIMEOUT_S,
+        expect_failure=True,
+    )
+    print(f"sbatch --wait --dry-run with a CPU torch as the default Python took {job.seconds:.1f} s")
+    fix = "fix: set PYTHON in config.env to a Python whose torch is a CUDA build (the same path on every node)"
+    for node in ("h1", "h2"):
+        (line,) = [line for line in job.log.splitlines() if line.startswith(f"node-check {node}: FAIL torch: ")]
+        assert f"in {venv_bin}/python3 is not a CUDA build (torch.version.cuda is None); {fix}" in line, line
+        assert f"node-check {node}: ok   chromium: /usr/bin/chromium: Chromium " in job.log
+        assert f"node-check {node}: ok   gym-venv: {REPO}/.venv-gym: nemo-gym 0.7.0 imports" in job.log
+    assert_in_order(
+        job.log,
+        [
+            f"run {run_id}: mode dry-run, 2 node(s) (h1 h2)",
+            "check: config.env, model, data files",
+            "ERROR: the node check failed on h1 h2: each FAIL line above names the fix",
+            "cleanup: stopping 0 process(es) started by this job (exit status 1)",
+            f"cleanup: done; no process of run {run_id} is left on h1 h2\n",
+        ],
+    )
+    # it stopped before the expensive steps: nothing composed, no server, no Ray
+    assert "config composed" not in job.log and "environment servers up" not in job.log
+    assert "Ray head up" not in job.log
+    assert_nothing_left_on_either_host(two_node_slurm, job.job_id, job.log)

@@ -22,7 +22,16 @@ from typing import ClassVar
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from submit_fixtures import CONFIG_DIR, EXAMPLE, REPO, SCRIPT, compose_recipe, script_overrides
+from submit_fixtures import (
+    CONFIG_DIR,
+    CPU_RUN_EXPORTS,
+    CPU_RUN_SETTINGS,
+    EXAMPLE,
+    REPO,
+    SCRIPT,
+    compose_recipe,
+    script_overrides,
+)
 
 from nemo_gym_browser import preflight
 from nemo_gym_browser.local.chat_tokenizer import save_tokenizer_and_config
@@ -64,14 +73,18 @@ def recipe_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def write_config_env(path: Path, recipe_inputs: Path, **values: str) -> Path:
-    """config.env.example with the test's model, data and sizes (and ``values``) set, the rest as shipped."""
+    """config.env.example with the test's model, data and sizes (and ``values``) set, the rest as shipped; a CPU run
+    on this test process's Python (``CPU_RUN_SETTINGS``, ``CPU_RUN_EXPORTS``)."""
     settings = {
+        **CPU_RUN_SETTINGS,
         "MODEL_PATH": str(recipe_inputs / "model"),
         "DATA_DIR": str(recipe_inputs / "data"),
         "LOG_DIR": str(path.parent / "logs"),
         "TRAIN_BATCH_SIZE": "2",
         "PPO_MINI_BATCH_SIZE": "2",
         "JUDGE_ENABLE": "0",
+        "JUDGE_BASE_URL": "http://127.0.0.1:8001/v1",  # the example leaves the judge's endpoint to the user
+        "JUDGE_MODEL": "Qwen/Qwen2.5-32B-Instruct",
         **values,
     }
     lines = []
@@ -79,12 +92,20 @@ def write_config_env(path: Path, recipe_inputs: Path, **values: str) -> Path:
         key = line.split("=", 1)[0]
         lines.append(f"{key}={settings.pop(key)}" if "=" in line and key in settings else line)
     lines += [f"{key}={value}" for key, value in settings.items()]
+    lines += [f"export {key}={value}" for key, value in CPU_RUN_EXPORTS.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def test_the_shipped_example_config_composes_through_main_ppo_with_every_recipe_setting_in_place() -> None:
-    overrides = script_overrides(EXAMPLE)
+def test_the_shipped_example_config_composes_through_main_ppo_with_every_recipe_setting_in_place(
+    tmp_path: Path,
+) -> None:
+    example = tmp_path / "config.env"  # as shipped, with the model and the judge's endpoint the user must set
+    example.write_text(
+        EXAMPLE.read_text()
+        + "MODEL_PATH=/models/qwen2.5-7b\nJUDGE_BASE_URL=http://judge.test:8001/v1\nJUDGE_MODEL=judge-model\n"
+    )
+    overrides = script_overrides(example)
     result = subprocess.run(
         [
             sys.executable,
@@ -117,7 +138,7 @@ def test_the_shipped_example_config_composes_through_main_ppo_with_every_recipe_
     assert config.data.custom_cls.name == "BrowserJSONLDataset"
     assert config.data.return_raw_chat is True
     assert config.trainer.use_v1 is True
-    assert config.actor_rollout_ref.model.path == "Qwen/Qwen2.5-7B-Instruct"
+    assert config.actor_rollout_ref.model.path == "/models/qwen2.5-7b"
     assert list(config.nemo_gym_browser.environment.server_urls) == [f"http://127.0.0.1:{8100 + k}" for k in range(4)]
     assert "judge" in config.nemo_gym_browser  # JUDGE_ENABLE=1 in the example
 
@@ -413,7 +434,7 @@ def test_a_loopback_judge_url_is_refused_on_a_multi_node_run_unless_a_judge_runs
     recipe_inputs: Path, tmp_path: Path
 ) -> None:
     two_nodes = {"SLURM_JOB_NUM_NODES": "2"}
-    loopback = write_config_env(tmp_path / "a.env", recipe_inputs, JUDGE_ENABLE="1")  # the shipped 127.0.0.1 URL
+    loopback = write_config_env(tmp_path / "a.env", recipe_inputs, JUDGE_ENABLE="1")  # at 127.0.0.1
     config = compose_recipe(script_overrides(loopback, env=two_nodes))
     assert config.trainer.nnodes == 2
 

@@ -10,8 +10,8 @@
 #   TORCH_SPEC=skip bash scripts/setup.sh                 # keep the torch already in the venv
 #
 # What torch==2.13.0 brings depends on where pip looks: PyPI's Linux x86_64 wheel is the CUDA 13 build, and with its
-# NVIDIA libraries pip downloads 29 files, 2.55 GiB (measured with `pip install --dry-run --report` on Python 3.11);
-# the CPU build is one 182 MiB wheel. Set TORCH_INDEX_URL for the CPU build on a machine whose pip reaches only PyPI.
+# NVIDIA libraries pip downloads 29 files, 2.55 GiB (measured with `pip install --dry-run --report` on Python 3.11;
+# a whole set-up that way took 364 s here and left a 5.9 GB .venv); the CPU build is one 182 MiB wheel. Set TORCH_INDEX_URL for the CPU build on a machine whose pip reaches only PyPI.
 # PYTHON: a Python 3.11 or 3.12 (what verl 0.9.1 supports and the tests run on); empty: python3.11, python3.12, then
 # python3, the first that runs and is one of them.
 set -euo pipefail

@@ -721,7 +721,10 @@ def test_the_cpu_platform_is_registered_but_never_chosen_or_patched_without_verl
 
 def test_verls_cpu_blockers_are_real_and_the_workarounds_let_gloo_and_fsdp2_offload_run(cpu_platform_facts):
     assert cpu_platform_facts["unpatched_backend_error"].startswith("Duplicate device type cpu")
-    assert "accelerator" in cpu_platform_facts["pinned_offload_error"]
+    # pinned memory needs an accelerator: CPU torch says so, a CUDA build of torch on a machine without a GPU (what a
+    # default pip installs) names the missing driver
+    pinned = cpu_platform_facts["pinned_offload_error"]
+    assert "accelerator" in pinned or "NVIDIA driver" in pinned, pinned
     assert cpu_platform_facts["offload_policy_pins"] is False
     assert cpu_platform_facts["all_reduce"] == [1.0, 1.0, 1.0]
     assert cpu_platform_facts["offloaded_forward"] == [2, 4]

@@ -129,10 +129,21 @@ BEHAVIOUR_DIFFERENCES = {
     "starts fresh unless --resume",
     "nemo_gym_browser.judge.base_url": _JUDGE,
     "nemo_gym_browser.judge.model": _JUDGE,
-    "nemo_gym_browser.judge.api_key_env": _JUDGE,
     "nemo_gym_browser.judge.max_concurrency": _JUDGE,
     "nemo_gym_browser.judge.timeout_s": _JUDGE,
     "nemo_gym_browser.judge.max_attempts": _JUDGE,
+    **{
+        f"nemo_gym_browser.judge.{key}": _JUDGE
+        for key in (
+            "backoff_s",
+            "backoff_max_s",
+            "connect_timeout_s",
+            "evidence_budget_chars",
+            "max_tokens",
+            "max_trajectory_steps",
+            "temperature",
+        )
+    },
 }
 
 # What a run does, never a size: the key or anything under it (the environment servers' addresses excepted)
@@ -202,11 +213,16 @@ def cpu_vllm_run(tmp_path: Path) -> dict[str, Any]:
     return composed(local_run(tmp_path).replace(rollout_name=rs.VLLM_CPU_ENGINE))
 
 
-def slurm_run() -> dict[str, Any]:
-    """The shipped config.env.example on as many nodes as the script's ``#SBATCH --nodes`` line asks for."""
+def slurm_run(tmp_path: Path) -> dict[str, Any]:
+    """The shipped config.env.example, with the model and judge a user must set, on as many nodes as the script's
+    ``#SBATCH --nodes`` line asks for."""
     nodes = re.search(r"^#SBATCH --nodes=(\d+)$", SCRIPT.read_text(), flags=re.MULTILINE)
     assert nodes, "submit_webvoyager.sh has no #SBATCH --nodes line"
-    overrides = script_overrides(EXAMPLE, env={"SLURM_JOB_NUM_NODES": nodes.group(1)})
+    config_env = tmp_path / "config.env"
+    config_env.write_text(
+        EXAMPLE.read_text() + "MODEL_PATH=/models/policy\nJUDGE_BASE_URL=http://judge.test/v1\nJUDGE_MODEL=judge\n"
+    )
+    overrides = script_overrides(config_env, env={"SLURM_JOB_NUM_NODES": nodes.group(1)})
     return flat(OmegaConf.to_container(compose_recipe(overrides), resolve=False))
 
 
@@ -243,7 +259,7 @@ def test_the_gpu_run_and_the_cpu_vllm_run_differ_only_in_device_settings(tmp_pat
 def test_the_slurm_run_differs_from_the_cpu_vllm_run_only_in_device_settings_run_size_and_reviewed_behaviour(
     tmp_path: Path,
 ) -> None:
-    slurm, cpu = slurm_run(), cpu_vllm_run(tmp_path)
+    slurm, cpu = slurm_run(tmp_path), cpu_vllm_run(tmp_path)
     found = differences(slurm, cpu)
 
     print(listed(found, set(found), "Slurm"))

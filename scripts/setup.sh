@@ -46,8 +46,8 @@ if [[ "$TORCH_SPEC" != "skip" ]]; then
     "${PIP[@]}" install -q "${torch_index[@]}" "$TORCH_SPEC"
     "$VENV/bin/python" -c 'import torch; print("setup: torch", torch.__version__, "CUDA", torch.version.cuda or "none")'
 fi
-echo "setup: installing the recipe (editable) with verl[verl-core]==0.9.1, the test and benchmark tools"
-"${PIP[@]}" install -q -c "$ROOT/constraints.txt" -e "${ROOT}[test,bench]"
+echo "setup: installing the recipe (editable) with verl[verl-core]==0.9.1, the test and benchmark tools, MiniWoB++'s pages"
+"${PIP[@]}" install -q -c "$ROOT/constraints.txt" -e "${ROOT}[test,bench,miniwob]"
 
 "$VENV/bin/python" - "$ROOT/REQUIRED_VERL.txt" <<'PY'
 import sys

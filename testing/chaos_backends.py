@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,11 +75,12 @@ class Backend:
             "fail_seed": Fault.fail_seed(),
         }[kind]
 
-    async def burst(self, server: int, seconds: float) -> None:
-        """Every call to ``server`` answers 503 for ``seconds``."""
+    @contextlib.contextmanager
+    def bursting(self, server: int) -> Iterator[None]:
+        """Inside the block every call to ``server`` answers 503."""
         self._bursting.add(server)
         try:
-            await asyncio.sleep(seconds)
+            yield
         finally:
             self._bursting.discard(server)
 

@@ -29,7 +29,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from unittest import mock
 
@@ -104,14 +104,22 @@ class ChaosRun:
         self._indices = itertools.count()
         self._judge_calls: collections.Counter[str] = collections.Counter()
         self.loop_lag_s = 0.0
+        self._fault_begun = asyncio.Event()  # a server-wide phase's fault has begun: its held rollouts walk on
         judge.default = fj.Behaviour(respond=self._judge_behaviour)
         backend.targeting = self._targeting
-        # The deadline counts environment time only, so the rows that must reach it spend it in slow observes:
-        # HANG_NEAR_DEADLINE makes `near_deadline_observes` of them, then the click that hangs with half a per-call
-        # timeout of environment time left; each stays below the per-call timeout.
-        act_at = settings.episode_deadline_s - settings.call_timeout_s / 2
-        self.near_deadline_observes = max(1, math.ceil(act_at / (0.8 * settings.call_timeout_s)))
-        backend.slow_s = act_at / self.near_deadline_observes
+        # The deadline counts environment time only, so the rows that must reach it spend it in slow observes. Rollouts
+        # and fakes share one event loop, which a loaded machine wakes seconds late, so a slow observe is as short as
+        # the turn limit allows (the deadline row needs two turns fewer than it has): the rest of the per-call timeout
+        # absorbs that lag. HANG_NEAR_DEADLINE makes just enough of them for less than one per-call timeout to be
+        # left, then the click hangs; lag only delays the click, and it has the rest of that timeout to spare.
+        slow_s, deadline, call = settings.slow_call_s, settings.episode_deadline_s, settings.call_timeout_s
+        if slow_s > call / 2:
+            raise ValueError(
+                f"a slow observe ({slow_s:.2f} s, episode_deadline_s over max_assistant_turns - 2) leaves less than "
+                f"half of call_timeout_s={call:g} for the event loop's lag: raise max_assistant_turns"
+            )
+        self.near_deadline_observes = math.floor(max(0.0, deadline - call) / slow_s) + 1
+        backend.slow_s = slow_s
 
     # --- who gets which fault ---
 
@@ -148,9 +156,13 @@ class ChaosRun:
             reference_answer=ANSWER if cause.judged else None,
         )
 
-    def _think(self, view: sp.PolicyView) -> float:
+    def _think(self, view: sp.PolicyView) -> float | Awaitable[Any]:
         task = view.task
         if f"{KILL_PHASE.name}]" in task or f"{BURST_PHASE.name}]" in task:
+            if view.turn > 0 and not self._fault_begun.is_set():
+                # Past its first call a phase rollout keeps its session open until the fault: however late a loaded
+                # event loop lets the last one seed, the first ones have not finished yet.
+                return self._fault_begun.wait()
             return self.settings.phase_think_time_s
         return self.settings.think_time_s
 
@@ -179,31 +191,54 @@ class ChaosRun:
         self.records += await asyncio.gather(*tasks)
 
     async def server_wide_phase(self, kind: str, rollouts: int, server: int) -> None:
-        """``rollouts`` clean walks; once all have a session open, kill/restart ``server`` or burst 5xx on it."""
+        """``rollouts`` clean walks, each holding its session open after its first call; once all have made one,
+        kill/restart ``server`` or burst 5xx on it, then let them walk on."""
         indices = [next(self._indices) for _ in range(rollouts)]
         phase_cause = KILL_PHASE if kind == "kill" else BURST_PHASE
+        self._fault_begun = asyncio.Event()
         tasks = [asyncio.create_task(self._rollout(i, phase_cause, kind)) for i in indices]
         wanted = set(indices)
-        deadline = time.monotonic() + self.settings.seed_timeout_s * 2 + 10
-        while time.monotonic() < deadline and not all(t.done() for t in tasks):
-            seeded = {parse_session_id(h.session_id)[0] for h in self.backend.hits if _seeded_call(h)} & wanted
-            if seeded == wanted:
-                break
-            await asyncio.sleep(0.02)
-        victims: set[int] = set()
-        if kind == "kill":
-            victims = {p[0] for p in map(parse_session_id, self.backend.open_session_ids(server)) if p} & wanted
-            await self.backend.kill_and_restart(server)
-        else:
-            first = len(self.backend.hits)
-            await self.backend.burst(server, self.settings.burst_s)
-            # A 503 on the close alone does not touch the sample (the verdict is in): not a victim.
-            burst_hits = [h for h in self.backend.hits[first:] if h.fault == "burst" and h.endpoint != "close_session"]
-            victims = {p[0] for p in (parse_session_id(h.session_id) for h in burst_hits) if p and p[1] == 1}
+
+        def all_seeded() -> bool:
+            seeded = {parse_session_id(h.session_id)[0] for h in self.backend.hits if _seeded_call(h)}
+            return wanted <= seeded or all(t.done() for t in tasks)
+
+        try:
+            await _until(all_seeded, self.settings.seed_timeout_s * 2 + 10)
+            if kind == "kill":
+                victims = {p[0] for p in map(parse_session_id, self.backend.open_session_ids(server)) if p} & wanted
+                await self.backend.kill_and_restart(server)
+            else:
+                victims = await self._burst(server, wanted)
+        finally:
+            self._fault_begun.set()
         records = await asyncio.gather(*tasks)
         for record in records:
             record.cause = (SERVER_KILLED if kind == "kill" else BURST_5XX) if record.index in victims else NONE
         self.records += records
+
+    async def _burst(self, server: int, wanted: set[int]) -> set[int]:
+        """503 on every call ``server`` gets for ``burst_s``, and on until each first-attempt session of ``wanted`` open
+        on it has called it (the held rollouts call as soon as the burst begins), at most one per-call timeout longer.
+        Returns the rollouts whose first attempt got a 503 (on a close alone it does not touch the sample: the verdict
+        is in)."""
+        hits = self.backend.hits
+        closed = {h.session_id for h in hits if h.endpoint == "close_session"}
+        held = {
+            h.session_id
+            for h in hits
+            if h.server == server and h.endpoint == "seed_session" and _first_attempt_of(h, wanted)
+        } - closed
+        first = len(hits)
+        with self.backend.bursting(server):
+            self._fault_begun.set()
+            await asyncio.sleep(self.settings.burst_s)
+            await _until(lambda: held <= {h.session_id for h in hits[first:]}, self.settings.call_timeout_s)
+        return {
+            parse_session_id(h.session_id)[0]
+            for h in hits[first:]
+            if h.fault == "burst" and h.endpoint != "close_session" and _first_attempt_of(h, wanted)
+        }
 
     def _attribute(self) -> None:
         """Name the cause of every targeted-phase first attempt by what actually happened to it.
@@ -260,6 +295,21 @@ class ChaosRun:
             wall_s=time.monotonic() - started,
             unparsed_sessions=sorted(unparsed),
         )
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Poll ``condition`` until it holds or ``timeout_s`` has passed."""
+    give_up_at = time.monotonic() + timeout_s
+    while time.monotonic() < give_up_at:
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+
+
+def _first_attempt_of(hit: Hit, indices: set[int]) -> bool:
+    """The call was made by the first attempt of one of the rollouts ``indices``."""
+    parsed = parse_session_id(hit.session_id)
+    return parsed is not None and parsed[0] in indices and parsed[1] == 1
 
 
 def _seeded_call(hit: Hit) -> bool:

@@ -166,6 +166,12 @@ class ChaosSettings:
     judge_max_attempts: int = 2
     burst_s: float = 0.5
 
+    @property
+    def slow_call_s(self) -> float:
+        """How long each slow observe of the deadline rows waits: the deadline row reaches its deadline two turns
+        before its turn limit (the shortest wait that does)."""
+        return self.episode_deadline_s / max(1, self.max_assistant_turns - 2)
+
     def environment(self, urls: Sequence[str]) -> dict[str, Any]:
         return {
             "server_urls": list(urls),

@@ -172,6 +172,11 @@ class ChaosReport:
             f"longest attempt: {longest:.2f} s (session {session}); longest rollout, all attempts and backoffs: "
             f"{max(rollout_walls, default=0.0):.2f} s"
         )
+        slow, call = self.settings.slow_call_s, self.settings.call_timeout_s
+        lines.append(
+            f"slow observes of the deadline rows: {slow:.2f} s each, {call - slow:.2f} s inside the per-call timeout; "
+            f"the event loop woke timers up to {self.loop_lag_s:.2f} s late"
+        )
         for record in self.misclassified[:10]:
             side, kind = record.first_attempt
             lines.append(

@@ -1,68 +1,19 @@
 """The policy acting in a NeMo Gym browser through verl 0.9.1's ``ToolAgentLoop``, with bounded, resampled episodes.
 
-What this module owns
-    :class:`BrowserToolAgentLoop` (a verl ``ToolAgentLoop``, registered as ``nemo_gym_browser_agent`` through
-    ``configs/agent_loop.yaml``): the lifetime of each attempt's browser session, its bounds, the attempts of a
-    rollout, its score and the per-sample flags. Around it: the tool (:mod:`~nemo_gym_browser.browser_tool`), one
-    attempt's state and clocks (:mod:`~nemo_gym_browser.episode`), the settings
-    (:mod:`~nemo_gym_browser.settings`), step-wise prompts (:mod:`~nemo_gym_browser.stepwise`), tool-call
-    parsing (:mod:`~nemo_gym_browser.tool_parser`) and cancelling cut generations on the rollout server
-    (:mod:`~nemo_gym_browser.rollout_cancel`). ``BrowserTool`` is re-exported here because tool configs name it
-    ``nemo_gym_browser.browser_agent_loop.BrowserTool``.
+:class:`BrowserToolAgentLoop` (registered as ``nemo_gym_browser_agent`` through ``configs/agent_loop.yaml``) owns
+each attempt's browser session, its bounds, the attempts of a rollout, its score and the per-sample flags.
+``BrowserTool`` is re-exported here because tool configs name ``nemo_gym_browser.browser_agent_loop.BrowserTool``.
 
-Lifetimes it guarantees
-    One environment session per *attempt*, opened from the row's ``tools_kwargs`` (start URL, verifier metadata,
-    task id) by ``async with``, hence closed whatever ends the attempt (success, failure, deadline, cancellation).
-    The attempt's :class:`~nemo_gym_browser.episode.BrowserEpisode` is attached to verl's ``AgentData`` when the
-    attempt starts, where the tool finds it. One environment client (connection pool) per event loop and
-    configuration, shared by the loop objects verl builds per sample, closed by :func:`close_shared_clients`.
+Lifetimes: one environment session per attempt, opened from the row's ``tools_kwargs`` by ``async with`` and so
+closed whatever ends the attempt, cancellation included; one environment client per event loop and configuration,
+shared by the loop objects verl builds per sample, closed by :func:`close_shared_clients`.
 
-Who caused it decides (``../shared/notes/failure-handling.md``)
-    * Infrastructure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`: seed failed, session lost,
-      unreachable, 5xx, a call hung past its per-call timeout, the session held past its hold limit, verify could
-      not grade, the judge gave no usable verdict): the attempt ends at once (no further model call), its session
-      is closed, and the rollout is re-run from scratch in a new session, up to ``max_attempts``. Still failing
-      after that: the sample is flagged ``env_invalid`` with its loss masked and reward 0 (kept out of the GRPO
-      baseline by ``grpo_env_aware``), or dropped (``[]``) under the V1 trainer when the drop switch is on.
-    * The judge is the exception to resampling: it already asks again on the same evidence (its own
-      ``max_attempts``), and a new episode would only spend a browser session and a model trajectory on a judge
-      that is down. A trajectory without a usable verdict is kept, flagged ``judge_unusable``, after one episode.
-      A task without ``verifier_metadata`` when no judge is configured is flagged ``judge_unusable`` at once,
-      with no episode (nothing could score it; logged once per process).
-    * Policy (a legitimate outcome, scored as it stands): bad tool arguments, unknown actions, element ids not on
-      the page, URLs it chose that fail to load or are refused, no answer, running out of turns or tokens, the
-      episode deadline, and an answer or page that leaves the judge without a verdict it gives on the task alone
-      (a failure, see :mod:`~nemo_gym_browser.judge`). Invalidity is never inferred from a short or empty response.
-
-Bounds on a generation
-    The episode deadline is checked before each generation and never cuts one (see :mod:`~nemo_gym_browser.episode`
-    for its clock). ``session_hold_limit_s`` is the only bound that cuts a generation, and a cut generation is
-    cancelled on the rollout server (:mod:`~nemo_gym_browser.rollout_cancel`), never left to decode for nobody. A
-    generation is otherwise bounded by ``response_length`` tokens.
-
-The turn limit
-    verl ends the episode at ``multi_turn.max_assistant_turns`` (or ``max_user_turns``) right after the last
-    generation, before it parses that turn's tool calls. A ``finish`` there is run by the loop itself, so its
-    answer reaches verify or the judge; other actions of that turn are not run (no one would read their page).
-
-Step-wise mode (``stepwise.enabled``; V1 trainer only)
-    One sample per policy step over a bounded prompt; see :mod:`~nemo_gym_browser.stepwise`.
-
-Where the flags go
-    ``AgentLoopOutput.extra_fields`` of the returned sample (of every step sample in step-wise mode), written at the
-    end of ``run`` (never before the first generation, which would stop verl copying ``min/max_global_steps``):
-    ``env_invalid``, ``env_failure_kind``, ``env_failure_reason``, ``env_attempts``, ``deadline_hit``,
-    ``reward_source``, plus ``env_failed_attempt_kinds``, ``env_failed_after_action_kinds`` (the kinds of the failed
-    attempts in which a tool call of the policy's had reached the episode), ``env_episode_wall_s``,
-    ``env_refused_navigations``,
-    ``env_browser_actions`` (calls that acted on the page, ``finish`` not counted: 0 for an answer given without
-    browsing) for metrics (and ``env_step`` / ``env_steps`` in step-wise mode), and numeric copies under
-    ``reward_extra_info`` (see :mod:`nemo_gym_browser.episode_metrics`).
-
-Settings
-    Constructor keyword arguments from the agent-loop YAML, overridden key by key by the trainer config section
-    ``nemo_gym_browser``: :func:`~nemo_gym_browser.settings.resolve_settings`; every key is in
-    ``docs/configuration.md``.
+Errors: an :class:`~nemo_gym_browser.failures.EnvironmentFailure` ends the attempt at once and the rollout is re-run
+in a new session, up to ``max_attempts`` (a judge without a usable verdict only after one episode: it retries
+itself); what still fails is flagged ``env_invalid`` (or dropped under the drop switch). Policy outcomes are scores.
+The flags go to ``AgentLoopOutput.extra_fields`` at the end of ``run``. Settings:
+:func:`~nemo_gym_browser.settings.resolve_settings`. The rest: ``docs/agent-loop.md``, ``docs/failures.md``,
+``docs/judge.md``.
 """
 
 from __future__ import annotations
@@ -85,11 +36,11 @@ from .browser_calls import BROWSER_FINISH, parse_tool_call
 from .browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of
 from .environment import EnvironmentClient, parse_observation
 from .episode import BrowserEpisode, EpisodeSpec
-from .episode_metrics import reward_extra_info
 from .failures import EnvironmentFailure, FailureKind
 from .judge import BinaryJudge, JudgeEvidence
 from .rollout_cancel import generate_within, track_rollout_requests
 from .sample_fields import OptionalFields, complete_optional_fields
+from .sample_flags import INVALID_KEY, SampleFlags
 from .settings import DROP_INVALID_ENV, EnvironmentConfig, drop_invalid_enabled, resolve_settings
 from .stepwise import (
     LEGACY_STEPWISE_MESSAGE,
@@ -126,8 +77,6 @@ _OBSERVATION_FLOOR_CHARS = 2048
 _BACKOFF_CAP_S = 30.0
 # A safety net above environment.call_timeout_s for a call the environment client failed to time out itself.
 CALL_TIMEOUT_GRACE_S = 5.0
-# A malformed <tool_call> becomes an error message the model reads instead of a silent end of the episode.
-LENIENT_TOOL_CALL_PARSING = True
 NO_JUDGE_REASON = (
     "the task has no verifier_metadata and no judge is configured (JUDGE_ENABLE=0 / judge: null), so nothing can "
     "score it; no episode was run"
@@ -176,17 +125,13 @@ async def close_shared_clients() -> None:
 
 @dataclass
 class _AttemptOutcome:
-    """What one attempt left: its samples, its failure (None: it counts), its score and counters."""
+    """What one attempt left: its samples, its failure (None: it counts), its score and its episode."""
 
     outputs: list[AgentLoopOutput]  # one sample, or one per policy step in step-wise mode; [] if nothing ran
     failure: EnvironmentFailure | None
     reward: float = 0.0
     reward_source: str | None = None
-    deadline_hit: bool = False
-    refused_navigations: int = 0
-    browser_actions: int = 0
-    policy_acted: bool = False  # a tool call of the policy's reached the episode before it ended
-    episode: BrowserEpisode | None = None  # the attempt's steps, for trajectories
+    episode: BrowserEpisode | None = None  # None when no session opened; its steps and counters otherwise
 
 
 @dataclass
@@ -200,6 +145,23 @@ class _Rollout:
     failed_after_action_kinds: list[str] = field(default_factory=list)  # the failed attempts the policy had acted in
     timings: dict[str, float] = field(default_factory=lambda: {"generate_sequences": 0.0, "tool_calls": 0.0})
     outcome: _AttemptOutcome = field(default_factory=lambda: _AttemptOutcome(outputs=[], failure=None))
+
+    def flags(self) -> SampleFlags:
+        """The rollout's flags as it stands: the final attempt's outcome and counters, every attempt's kinds."""
+        failure, episode = self.outcome.failure, self.outcome.episode
+        return SampleFlags(
+            invalid=failure is not None,
+            attempts=self.attempts,
+            failure_kind=failure.kind.value if failure else None,
+            failure_reason=failure.reason if failure else None,
+            deadline_hit=episode.deadline_hit if episode else False,
+            reward_source=None if failure else self.outcome.reward_source,
+            failed_attempt_kinds=tuple(self.failed_kinds),
+            failed_after_action_kinds=tuple(self.failed_after_action_kinds),
+            episode_wall_s=round(time.monotonic() - self.started, 4),
+            refused_navigations=episode.refused_navigations if episode else 0,
+            browser_actions=episode.browser_actions if episode else 0,
+        )
 
 
 class BrowserToolAgentLoop(ToolAgentLoop):
@@ -225,7 +187,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 "(configs/webvoyager_grpo.yaml) or nemo_gym_browser.max_tool_response_length",
                 self.max_tool_response_length,
             )
-        if LENIENT_TOOL_CALL_PARSING and self.tool_parser_name == "hermes":
+        if self.tool_parser_name == "hermes":
+            # a malformed <tool_call> becomes an error message the model reads, not a silent end of the episode
             self.tool_parser = LenientHermesToolParser(self.tokenizer)
         if not any(isinstance(tool, BrowserTool) for tool in self.tools.values()):
             raise ValueError(
@@ -259,14 +222,15 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             raise RuntimeError(LEGACY_STEPWISE_MESSAGE)
         rollout = _Rollout(rollout_id=session_ids.rollout_id(kwargs.get("index")))
         await self._run_attempts(sampling_params, kwargs, spec, rollout)
-        if rollout.outcome.failure is not None and drop_invalid_enabled(self.settings.drop_invalid):
+        flags = rollout.flags()
+        if flags.invalid and drop_invalid_enabled(self.settings.drop_invalid):
             if under_v1:
-                await self._drop(kwargs, spec, rollout)
+                await self._drop(kwargs, spec, rollout, flags)
                 return []
             _warn_legacy_drop()
         # Only the final attempt's samples are returned: an abandoned attempt's steps never reach the trainer.
         outputs = rollout.outcome.outputs or [await self._placeholder_output(kwargs)]
-        self._flag_outputs(outputs, rollout, kwargs)
+        self._flag_outputs(outputs, rollout, flags, kwargs)
         if self.settings.trajectory_dir:  # written after the flags, so the record shows what the trainer gets
             trajectories.write_episode(
                 self.settings.trajectory_dir,
@@ -274,7 +238,8 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 spec=spec,
                 run_kwargs=kwargs,
                 episode=rollout.outcome.episode,
-                output=outputs[-1],  # the final sample (step-wise: the last step), with the episode's flags
+                flags=flags,
+                output=outputs[-1],  # the final sample (step-wise: the last step)
                 tokenizer=self.tokenizer,
             )
         return outputs if self.settings.stepwise.enabled else outputs[0]
@@ -308,7 +273,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if outcome.failure is None:
                 return
             rollout.failed_kinds.append(outcome.failure.kind.value)
-            if outcome.policy_acted:
+            if outcome.episode is not None and outcome.episode.policy_acted:
                 rollout.failed_after_action_kinds.append(outcome.failure.kind.value)
             # The judge was already asked again on the same evidence; a new episode would give it nothing new.
             final = attempt == max_attempts or outcome.failure.kind is FailureKind.JUDGE_UNUSABLE
@@ -324,56 +289,31 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             if final:
                 return
 
-    async def _drop(self, kwargs: Mapping[str, Any], spec: EpisodeSpec, rollout: _Rollout) -> None:
+    async def _drop(self, kwargs: Mapping[str, Any], spec: EpisodeSpec, rollout: _Rollout, flags: SampleFlags) -> None:
         """Record a rollout still invalid after its attempts as dropped: verl stores nothing for it, so the step
         metrics count it from this record."""
-        outcome = rollout.outcome
-        assert outcome.failure is not None
         logger.warning(
             "rollout %s task %s: still invalid after %d attempts, dropped",
             rollout.rollout_id,
             spec.task_id,
             rollout.attempts,
         )
-        await dropped_rollouts.record(
-            kwargs.get("uid"),
-            failure_kind=outcome.failure.kind.value,
-            attempts=rollout.attempts,
-            failed_attempt_kinds=rollout.failed_kinds,
-            failed_after_action_kinds=rollout.failed_after_action_kinds,
-            episode_wall_s=time.monotonic() - rollout.started,
-            deadline_hit=outcome.deadline_hit,
-            refused_navigations=outcome.refused_navigations,
-            browser_actions=outcome.browser_actions,
-        )
+        await dropped_rollouts.record(kwargs.get("uid"), flags)
 
-    def _flag_outputs(self, outputs: list[AgentLoopOutput], rollout: _Rollout, kwargs: Mapping[str, Any]) -> None:
+    def _flag_outputs(
+        self, outputs: list[AgentLoopOutput], rollout: _Rollout, flags: SampleFlags, kwargs: Mapping[str, Any]
+    ) -> None:
         """Write the rollout's reward, flags and timings onto its samples (every step sample in step-wise mode)."""
         outcome = rollout.outcome
-        invalid = outcome.failure is not None
-        flags = {
-            "env_invalid": invalid,
-            "env_failure_kind": outcome.failure.kind.value if outcome.failure else None,
-            "env_failure_reason": outcome.failure.reason if outcome.failure else None,
-            "env_attempts": rollout.attempts,
-            "deadline_hit": outcome.deadline_hit,
-            "reward_source": None if invalid else outcome.reward_source,
-            "env_failed_attempt_kinds": rollout.failed_kinds,
-            "env_failed_after_action_kinds": rollout.failed_after_action_kinds,
-            "env_episode_wall_s": round(time.monotonic() - rollout.started, 4),
-            "env_refused_navigations": outcome.refused_navigations,
-            "env_browser_actions": outcome.browser_actions,
-        }
         for number, output in enumerate(outputs, start=1):
-            if invalid and not self.settings.train_on_failures:
+            if flags.invalid and not self.settings.train_on_failures:
                 # out of the loss, every step of the episode; the estimator drops the reward
                 output.response_mask = [0] * len(output.response_mask)
             complete_optional_fields(output, self._optional_fields, self.tokenizer)
-            output.reward_score = 0.0 if invalid else outcome.reward
-            output.extra_fields.update(flags)
-            if self.settings.stepwise.enabled:  # the episode's flags on every step; metrics count the final step only
-                output.extra_fields.update({"env_step": number, "env_steps": len(outputs)})
-            output.extra_fields["reward_extra_info"] = reward_extra_info(flags)
+            output.reward_score = 0.0 if flags.invalid else outcome.reward
+            # step-wise: the episode's flags on every step; the metrics count the final step only
+            sample_flags = flags.at_step(number, len(outputs)) if self.settings.stepwise.enabled else flags
+            output.extra_fields.update(sample_flags.extra_fields())
             if "global_steps" in kwargs:  # the V1 trainer needs them even when the model was never called
                 for key in ("min_global_steps", "max_global_steps"):
                     if output.extra_fields.get(key) is None:
@@ -438,10 +378,6 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             await self._score_with_judge(episode, spec, rollout_id, outcome)
         outcome.outputs = outputs
         outcome.failure = episode.failure
-        outcome.deadline_hit = episode.deadline_hit
-        outcome.refused_navigations = episode.refused_navigations
-        outcome.browser_actions = episode.browser_actions
-        outcome.policy_acted = episode.policy_acted
         outcome.episode = episode
         return outcome
 
@@ -560,7 +496,7 @@ class BrowserToolAgentLoop(ToolAgentLoop):
                 page_url=page_url,
                 page_title=page_title,
                 page_text=page_text,
-                last_steps=tuple(episode.steps),
+                last_steps=tuple(str(step) for step in episode.steps),
                 reference_answer=spec.reference_answer,
                 rollout_id=rollout_id,
             )
@@ -670,13 +606,19 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         return state
 
 
-_warned: set[str] = set()
+# Configuration problems already logged, per event loop as the shared clients: a worker runs all its samples on one
+# event loop, so each is logged once per process, not by every sample's loop object.
+_LOGGED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
-    """Log a configuration problem once per process (a loop object is built for every sample)."""
-    if key not in _warned:
-        _warned.add(key)
+    """Log a configuration problem once per event loop (a loop object built outside one logs it every time)."""
+    try:
+        logged = _LOGGED.setdefault(asyncio.get_running_loop(), set())
+    except RuntimeError:
+        logged = set()
+    if key not in logged:
+        logged.add(key)
         logger.log(level, message, *args)
 
 
@@ -685,8 +627,9 @@ def _warn_legacy_drop() -> None:
         "legacy-drop",
         "The drop switch (%s=1 or drop_invalid: true) has no effect under the legacy trainer "
         "(trainer.use_v1=false): it needs exactly one sample per prompt, so invalid rollouts are kept, flagged "
-        "env_invalid, loss-masked and excluded from the GRPO baseline by %s. Use the V1 trainer to drop them.",
+        "%s, loss-masked and excluded from the GRPO baseline by %s. Use the V1 trainer to drop them.",
         DROP_INVALID_ENV,
+        INVALID_KEY,
         ESTIMATOR_NAME,
         level=logging.ERROR,
     )

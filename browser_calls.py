@@ -3,6 +3,7 @@
 What this module owns
     * The names: NeMo Gym's five native tools (:data:`TOOL_NAMES`, also the server's endpoints) and the recipe's
       single ``browser`` tool (:data:`SINGLE_TOOL_NAME`) whose ``action`` is one of :data:`ACTIONS`.
+    * :data:`TOOL_FUNCTIONS`: each tool's description and parameters, the one wording every schema is made from.
     * :func:`parse_tool_call`: a call's arguments checked and mapped to a native tool, or the policy error the
       model reads.
 
@@ -26,6 +27,71 @@ NATIVE_TOOL_ACTIONS = {name: name.removeprefix("browser_") for name in TOOL_NAME
 ACTIONS = tuple(NATIVE_TOOL_ACTIONS.values())
 _TOOL_OF_ACTION = {action: name for name, action in NATIVE_TOOL_ACTIONS.items()}
 SINGLE_TOOL_NAME = "browser"
+
+_ELEMENT_ID = {"type": "integer", "description": "An element id from the last observation's ELEMENTS list."}
+
+
+def _function(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": required},
+    }
+
+
+# What each tool is told to a policy: the one wording the tool configs, verl's tool class and the rows carry.
+TOOL_FUNCTIONS: dict[str, dict[str, Any]] = {
+    SINGLE_TOOL_NAME: _function(
+        SINGLE_TOOL_NAME,
+        "Act in a web browser. observe: read the current page (URL, title, numbered elements, text). "
+        "navigate: open a url. click: click an element by id. type: type text into an element by id. "
+        "finish: end the task with your answer.",
+        {
+            "action": {"type": "string", "enum": list(ACTIONS), "description": "What to do."},
+            "url": {"type": "string", "description": "For navigate: an absolute http(s) URL."},
+            "element_id": {
+                "type": "integer",
+                "description": "For click and type: an element id from the last observation's ELEMENTS list.",
+            },
+            "text": {"type": "string", "description": "For type: the text to enter."},
+            "answer": {"type": "string", "description": "For finish: your final answer."},
+        },
+        ["action"],
+    ),
+    BROWSER_OBSERVE: _function(
+        BROWSER_OBSERVE, "Read the current page: URL, title, numbered interactive elements and text.", {}, []
+    ),
+    BROWSER_NAVIGATE: _function(
+        BROWSER_NAVIGATE,
+        "Open a URL in the browser.",
+        {"url": {"type": "string", "description": "An absolute http(s) URL."}},
+        ["url"],
+    ),
+    BROWSER_CLICK: _function(
+        BROWSER_CLICK, "Click an element of the last observation.", {"element_id": _ELEMENT_ID}, ["element_id"]
+    ),
+    BROWSER_TYPE: _function(
+        BROWSER_TYPE,
+        "Type text into an element of the last observation.",
+        {"element_id": _ELEMENT_ID, "text": {"type": "string", "description": "The text to enter."}},
+        ["element_id", "text"],
+    ),
+    BROWSER_FINISH: _function(
+        BROWSER_FINISH,
+        "End the task with your final answer.",
+        {"answer": {"type": "string", "description": "Your final answer."}},
+        ["answer"],
+    ),
+}
+
+
+def tool_function(name: str) -> dict[str, Any]:
+    """A fresh copy of the function ``name`` (``browser`` or a native tool) as :data:`TOOL_FUNCTIONS` tells it."""
+    if name not in TOOL_FUNCTIONS:
+        raise ValueError(
+            f"no browser tool is named {name!r}; expected {SINGLE_TOOL_NAME!r} or one of {list(NATIVE_TOOL_ACTIONS)}"
+        )
+    return json.loads(json.dumps(TOOL_FUNCTIONS[name]))
 
 
 def parse_tool_call(tool_name: str, parameters: Any) -> tuple[str, dict[str, Any]] | str:

@@ -24,16 +24,7 @@ from typing import TYPE_CHECKING, Any
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from .browser_calls import (
-    ACTIONS,
-    BROWSER_CLICK,
-    BROWSER_FINISH,
-    BROWSER_NAVIGATE,
-    BROWSER_OBSERVE,
-    BROWSER_TYPE,
-    NATIVE_TOOL_ACTIONS,
-    SINGLE_TOOL_NAME,
-)
+from .browser_calls import NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, tool_function
 
 if TYPE_CHECKING:
     from .episode import BrowserEpisode
@@ -43,70 +34,15 @@ AGENT_LOOP_NAME = "nemo_gym_browser_agent"
 # Where the attempt's episode hangs on verl's AgentData (verl itself adds private attributes there too).
 EPISODE_ATTRIBUTE = "nemo_gym_browser_episode"
 
-_ELEMENT_ID = {"type": "integer", "description": "An element id from the last observation's ELEMENTS list."}
-
 
 def episode_of(agent_data: Any) -> BrowserEpisode | None:
     """The attempt's episode the loop attached to verl's ``AgentData`` (None outside the browser loop)."""
     return getattr(agent_data, EPISODE_ATTRIBUTE, None)
 
 
-def _schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> OpenAIFunctionToolSchema:
-    return OpenAIFunctionToolSchema.model_validate(
-        {
-            "type": "function",
-            "function": {
-                "name": name,
-                "description": description,
-                "parameters": {"type": "object", "properties": properties, "required": required},
-            },
-        }
-    )
-
-
 def default_tool_schema(name: str) -> OpenAIFunctionToolSchema:
     """The schema the recipe's configs expose for ``name`` (``browser`` or one of the five native tools)."""
-    if name == SINGLE_TOOL_NAME:
-        return _schema(
-            SINGLE_TOOL_NAME,
-            "Act in a web browser. observe: read the current page (URL, title, numbered elements, text). "
-            "navigate: open a url. click: click an element by id. type: type text into an element by id. "
-            "finish: end the task with your answer.",
-            {
-                "action": {"type": "string", "enum": list(ACTIONS), "description": "What to do."},
-                "url": {"type": "string", "description": "For navigate: an absolute http(s) URL."},
-                "element_id": {
-                    "type": "integer",
-                    "description": "For click and type: an element id from the last observation's ELEMENTS list.",
-                },
-                "text": {"type": "string", "description": "For type: the text to enter."},
-                "answer": {"type": "string", "description": "For finish: your final answer."},
-            },
-            ["action"],
-        )
-    natives = {
-        BROWSER_OBSERVE: ("Read the current page: URL, title, numbered interactive elements and text.", {}, []),
-        BROWSER_NAVIGATE: (
-            "Open a URL in the browser.",
-            {"url": {"type": "string", "description": "An absolute http(s) URL."}},
-            ["url"],
-        ),
-        BROWSER_CLICK: ("Click an element of the last observation.", {"element_id": _ELEMENT_ID}, ["element_id"]),
-        BROWSER_TYPE: (
-            "Type text into an element of the last observation.",
-            {"element_id": _ELEMENT_ID, "text": {"type": "string", "description": "The text to enter."}},
-            ["element_id", "text"],
-        ),
-        BROWSER_FINISH: (
-            "End the task with your final answer.",
-            {"answer": {"type": "string", "description": "Your final answer."}},
-            ["answer"],
-        ),
-    }
-    if name not in natives:
-        raise ValueError(f"no browser tool is named {name!r}; expected {SINGLE_TOOL_NAME!r} or one of {list(natives)}")
-    description, properties, required = natives[name]
-    return _schema(name, description, properties, required)
+    return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": tool_function(name)})
 
 
 class BrowserTool(BaseTool):

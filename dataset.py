@@ -1,4 +1,4 @@
-"""NeMo Gym rows -> the samples verl's agent loop workers and trainers consume.
+"""NeMo Gym rows -> the samples verl's agent loop workers and trainers consume (:class:`BrowserJSONLDataset`).
 
 Use it through verl's custom-dataset hook (the package is installed, so the ``pkg://`` form resolves; a file path
 would load this module outside its package)::
@@ -6,41 +6,13 @@ would load this module outside its package)::
     data.custom_cls.path=pkg://nemo_gym_browser.dataset
     data.custom_cls.name=BrowserJSONLDataset
 
-What it reads
-    JSONL files of NeMo Gym rows, every non-blank line: ``responses_create_params.input`` (the prompt),
-    ``initial_url``, optional ``verifier_metadata`` and ``agent_ref``, and the task fields that
-    ``prepare_webvoyager_data.py`` adds (``task_id``, ``site``, ``question``, ``reference_answer``,
-    ``reference_type``, ``data_source``, ``task_metadata``). The validation is the one the preparation script
-    applies, ``verifier_metadata`` under the one rule of :func:`rows.validate_verifier_metadata`, so a row that
-    the server would answer 500 or grade on another key than it names at verify time is refused at load time with
-    its ``file:line`` (:class:`RowError`).
+Contract: every sample holds the same keys (``raw_prompt``, ``tools_kwargs`` with the episode for ``browser`` and
+each native tool, ``agent_name``, ``index``, ``data_source``, ``extra_info``, ``reward_model``, ``agent_ref``,
+``extra_env_info``, ``dummy_tensor``), the contract with ``episode.EpisodeSpec``; each is a fresh copy, so verl
+mutating it never changes the dataset. The keys in full: ``docs/data.md``.
 
-What each sample holds (the contract with ``episode.EpisodeSpec``; every key is present in every sample, so
-verl's ``collate_fn`` makes one column per key)
-    ``raw_prompt``       chat messages ``[{"role", "content"}]`` (``developer`` becomes ``system``)
-    ``tools_kwargs``     ``{tool: {"create_kwargs": EPISODE}}`` for ``browser`` and for each of NeMo Gym's five
-                         ``browser_*`` tools, so either tool config finds its entry. The loop opens the episode's
-                         session from ``tools_kwargs["browser"]["create_kwargs"]``, present whatever the tools.
-    ``agent_name``       ``nemo_gym_browser_agent``
-    ``index``            position of the row in the dataset (int); ``extra_info["index"]`` too
-    ``data_source``      the row's ``data_source``, else ``nemo_gym``
-    ``extra_info``       the task for reward functions, the judge and logs: ``EPISODE``'s fields flat, plus
-                         ``index``, ``task_metadata`` and ``source`` (``file:line``)
-    ``reward_model``     ``{"style": "rule" | "model", "ground_truth": reference answer or None}`` (``rule`` when
-                         ``verifier_metadata`` grades the task); verl's validation dumps read ``ground_truth``
-    ``agent_ref``        the row's ``agent_ref`` or None; ``extra_env_info``: every other row key, and
-                         ``_rcp_extra`` for the other ``responses_create_params`` keys (verl-recipe's
-                         ``NeMoGymJSONLDataset`` fields, kept so a row reads the same through either class)
-    ``dummy_tensor``     ``tensor([0], dtype=uint8)``: verl's batch needs one tensor column
-
-    ``EPISODE = {"task_id": str, "initial_url": str | None, "verifier_metadata": dict | None,
-    "task": {"question": str, "site": str | None, "reference_answer": str | None, "reference_type": str | None}}``
-
-Guarantees
-    A sample is a fresh copy: mutating it (verl appends to the messages) never changes the dataset. Loading
-    fails on the first malformed row, naming its file and line (malformed or non-finite JSON, a duplicate key,
-    deep nesting, a start URL that is not http(s) or a path inside the server's folder), and on a dataset without
-    rows.
+Errors: loading fails on the first malformed row, an :class:`~nemo_gym_browser.tasks.InputError` naming its
+``file:line`` (the rules of :mod:`~nemo_gym_browser.rows`, as in data preparation), and on a dataset without rows.
 """
 
 from __future__ import annotations
@@ -68,10 +40,6 @@ EPISODE_TOOLS = (SINGLE_TOOL_NAME, *TOOL_NAMES)
 _RCP_CONSUMED = frozenset({"input", "temperature", "top_p", "top_k", "parallel_tool_calls"})
 # Row keys that become sample columns of their own rather than extra_env_info.
 _ROW_COLUMNS = frozenset({"responses_create_params", "agent_ref"})
-
-
-class RowError(ValueError):
-    """A row this dataset cannot turn into a sample; the message starts with ``file:line``."""
 
 
 def _episode(task: Task) -> dict[str, Any]:
@@ -143,33 +111,30 @@ def row_tool_names(sample: Mapping[str, Any]) -> list[str] | None:
 
 
 def read_rows(path: Path) -> list[Task]:
-    """Every non-blank line of one JSONL file as a validated task; the first bad line raises RowError."""
+    """Every non-blank line of one JSONL file as a validated task; the first bad line raises InputError."""
     tasks = []
     try:
         handle = path.open("rb")
     except OSError as exc:
-        raise RowError(f"{path}: cannot read: {exc.strerror}") from exc
+        raise InputError(str(path), f"cannot read: {exc.strerror}") from exc
     with handle:
         for lineno, raw in enumerate(handle, 1):
             location = f"{path}:{lineno}"
             try:
                 text = raw.decode("utf-8").removeprefix("\ufeff")
             except UnicodeDecodeError as exc:
-                raise RowError(f"{location}: not valid UTF-8 ({exc.reason})") from exc
+                raise InputError(location, f"not valid UTF-8 ({exc.reason})") from exc
             if not text.strip():
                 continue
             try:
                 obj = parse_row_json(text)
             except RowValueError as exc:
-                raise RowError(f"{location}: {exc}") from None
+                raise InputError(location, str(exc)) from None
             if not isinstance(obj, Mapping) or "responses_create_params" not in obj:
-                raise RowError(
-                    f"{location}: not a NeMo Gym row (no 'responses_create_params'); see prepare_webvoyager_data.py"
+                raise InputError(
+                    location, "not a NeMo Gym row (no 'responses_create_params'); see prepare_webvoyager_data.py"
                 )
-            try:
-                tasks.append(task_from_nemo_gym_row(obj, location))
-            except InputError as exc:
-                raise RowError(str(exc)) from exc
+            tasks.append(task_from_nemo_gym_row(obj, location))
     return tasks
 
 
@@ -192,7 +157,7 @@ class BrowserJSONLDataset(Dataset):
         config = config if config is not None else {}
         files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
         if not files:
-            raise RowError("no data files given")
+            raise InputError(None, "no data files given")
         self.data_files = [str(path) for path in files]
         self.tokenizer = tokenizer
         self.processor = processor
@@ -200,11 +165,11 @@ class BrowserJSONLDataset(Dataset):
 
         tasks = [task for path in self.data_files for task in read_rows(Path(path))]
         if not tasks:
-            raise RowError(f"no rows in {', '.join(self.data_files)}")
+            raise InputError(None, f"no rows in {', '.join(self.data_files)}")
         seen: dict[str, str] = {}
         for task in tasks:
             if task.task_id in seen:
-                raise RowError(f"{task.location}: duplicate task id {task.task_id!r} (first at {seen[task.task_id]})")
+                raise InputError(task.location, f"duplicate task id {task.task_id!r} (first at {seen[task.task_id]})")
             seen[task.task_id] = task.location
         if 0 < max_samples < len(tasks):
             if config.get("shuffle", False):

@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Collection
 
 from . import named_actors
+from .sample_flags import SampleFlags
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +41,12 @@ class _Records:
     """Dropped rollouts by prompt-group uid."""
 
     def __init__(self) -> None:
-        self.by_uid: dict[str | None, list[dict[str, Any]]] = {}
+        self.by_uid: dict[str | None, list[SampleFlags]] = {}
 
-    def add(self, uid: str | None, flags: dict[str, Any]) -> None:
+    def add(self, uid: str | None, flags: SampleFlags) -> None:
         self.by_uid.setdefault(uid, []).append(flags)
 
-    def take(self, waiting: Collection[str] | None, only: Collection[str] | None) -> list[dict[str, Any]]:
+    def take(self, waiting: Collection[str] | None, only: Collection[str] | None) -> list[SampleFlags]:
         if only is not None:
             uids = [uid for uid in only if uid in self.by_uid]
         else:
@@ -73,13 +73,13 @@ class DropLedger:
         # The trainer reads it every step: a day without a read or a write means the run is over.
         return time.monotonic() - self._last_used > self._idle_exit_s
 
-    async def add(self, uid: str | None, flags: dict[str, Any]) -> None:
+    async def add(self, uid: str | None, flags: SampleFlags) -> None:
         self._used()
         self._records.add(uid, flags)
 
     async def take(
         self, waiting: Collection[str] | None = None, only: Collection[str] | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[SampleFlags]:
         """Remove and return the records of every group not in ``waiting`` (or of the groups in ``only``)."""
         self._used()
         return self._records.take(waiting, only)
@@ -88,43 +88,16 @@ class DropLedger:
 _local = _Records()  # the ledger of a process without Ray
 
 
-def dropped_flags(
-    *,
-    failure_kind: str,
-    attempts: int,
-    failed_attempt_kinds: list[str],
-    episode_wall_s: float,
-    failed_after_action_kinds: Sequence[str] = (),
-    deadline_hit: bool = False,
-    refused_navigations: int = 0,
-    browser_actions: int = 0,
-) -> dict[str, Any]:
-    """A dropped rollout's flags, in the keys and shapes of the ones a kept sample carries (``episode_metrics``)."""
-    return {
-        "env_invalid": True,
-        "env_failure_kind": failure_kind,
-        "env_attempts": attempts,
-        "deadline_hit": deadline_hit,
-        "reward_source": None,
-        "env_failed_attempt_kinds": list(failed_attempt_kinds),
-        "env_failed_after_action_kinds": list(failed_after_action_kinds),
-        "env_episode_wall_s": round(episode_wall_s, 4),
-        "env_refused_navigations": refused_navigations,
-        "env_browser_actions": browser_actions,
-    }
-
-
-async def record(uid: str | None, **flags: Any) -> None:
-    """Count one dropped rollout of prompt group ``uid`` (keywords: :func:`dropped_flags`). Never raises."""
-    row = dropped_flags(**flags)
+async def record(uid: str | None, flags: SampleFlags) -> None:
+    """Count one dropped rollout of prompt group ``uid`` (its flags, invalid). Never raises."""
     try:
         if not named_actors.ray_connected():
-            _local.add(uid, row)
+            _local.add(uid, flags)
             return
         for attempt in range(2):
             try:
                 ledger = named_actors.job_actor(DropLedger, LEDGER_ROLE)
-                await asyncio.wait_for(ledger.add.remote(uid, row), _CALL_TIMEOUT_S)
+                await asyncio.wait_for(ledger.add.remote(uid, flags), _CALL_TIMEOUT_S)
                 return
             except Exception as exc:
                 if attempt or not named_actors.actor_died(exc):
@@ -136,7 +109,7 @@ async def record(uid: str | None, **flags: Any) -> None:
         logger.warning("dropped rollout of group %s not counted in the step metrics: %s", uid, exc)
 
 
-def take(*, waiting: Collection[str] | None = None, only: Collection[str] | None = None) -> list[dict[str, Any]]:
+def take(*, waiting: Collection[str] | None = None, only: Collection[str] | None = None) -> list[SampleFlags]:
     """Synchronous :meth:`DropLedger.take` for the trainer (which is not inside an event loop). Never raises."""
     if not named_actors.ray_connected():
         return _local.take(waiting, only)

@@ -1,40 +1,19 @@
 """The NeMo Gym 0.7.0 ``interactive_browser`` wire contract, in one place.
 
-What this module owns
-    * The typed seed (``/seed_session`` with a caller-chosen ``resources_session_id``), the five browser
-      endpoints, ``/verify`` with the body the server requires, and the typed ``/close_session``.
-    * One cookie jar per session. The server keys a session on a Starlette cookie; aiohttp's default jar
-      silently drops cookies of IP-address hosts such as ``127.0.0.1``, so every session uses
-      ``CookieJar(unsafe=True)``. Connections are pooled across sessions, cookies are not.
-    * An explicit timeout on every call, and the mapping of every outcome to one of two things:
-      an :class:`EnvironmentFailure` (the infrastructure failed; it carries a :class:`FailureKind`) or a
-      :class:`ToolResult` whose ``error`` the policy reads (it made a mistake: bad arguments, an element id
-      that is not on the page, a URL of its own choosing that did not load). What an answer's bytes and error
-      text mean (size cap, strict UTF-8 and JSON, the server's own browser-gone messages, the reward's range) is
-      read by :mod:`~nemo_gym_browser.server_answers`, never from text the policy wrote.
-    * Spreading sessions over several servers through :mod:`placement`: least outstanding sessions first, a
-      per-server cap that holds across every process of a run (under Ray), a server that stopped answering taken
-      out of rotation and probed back in after a cool-down; closing the browsers of sessions whose process died.
+Contract: the typed seed (``/seed_session`` with a caller-chosen ``resources_session_id``), the five browser
+endpoints, ``/verify`` with the body the server requires, and the typed ``/close_session``, each under an explicit
+timeout. Every outcome is either an :class:`EnvironmentFailure` (the infrastructure failed; it carries a
+:class:`FailureKind`) or a :class:`ToolResult` whose ``error`` the policy reads. What an answer's bytes and error
+text mean is read by :mod:`~nemo_gym_browser.server_answers`, never from text the policy wrote. Sessions are spread
+over servers by :mod:`~nemo_gym_browser.placement`.
 
-Lifetimes it guarantees
-    ``async with client.session(...) as session`` holds a slot on its server (a placement lease), seeds on
-    entry, closes on exit and gives the slot back, whatever ended the block (success, failure, timeout,
-    cancellation). ``close()`` sends the typed close even when the seed failed: a seed the client gave up on
-    may still open a browser on the server, and the typed close of its id both releases it and stops a late
-    seed from creating it. ``close()`` never raises.
+Lifetimes: ``async with client.session(...) as session`` holds a placement slot, seeds on entry, closes on exit and
+gives the slot back, whatever ended the block. ``close()`` sends the typed close even when the seed failed (a seed
+given up on may still open a browser, and the close of its id stops it) and never raises. One cookie jar per
+session (``CookieJar(unsafe=True)``: aiohttp's default drops cookies of ``127.0.0.1``); connections are pooled.
 
-Retries
-    Only idempotent calls are retried, only on transport errors that happened before an answer arrived
-    (connection refused or reset), and at most ``transient_retries`` times:
-      * seed: the server promises that repeating a typed seed with the same id and episode returns the
-        session it already has;
-      * observe: reads the page;
-      * navigate: a page load (a GET) ends in the same state when repeated;
-      * finish: the server keeps the first finish and ignores the rest;
-      * close: closing a closed id is a no-op.
-    Never retried: click and type (a second click can submit a form twice), and verify (it releases the
-    browser, so a repeat after a lost answer would grade nothing). A timeout is never retried: a hung
-    server is reported at once instead of doubling the wait.
+Retries: only idempotent calls (seed, observe, navigate, finish, close), only on a refused or reset connection, at
+most ``transient_retries`` times; never click, type or verify, never a timeout. In full: ``docs/failures.md``.
 """
 
 from __future__ import annotations

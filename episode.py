@@ -1,29 +1,18 @@
 """One attempt at a task: what the row asks for (:class:`EpisodeSpec`) and the attempt's live state and clocks
 (:class:`BrowserEpisode`).
 
-Lifetimes
-    A :class:`BrowserEpisode` lives exactly as long as its attempt's environment session: the agent loop builds it
-    once the session is seeded and drops it when the session is closed; it never outlives the session and never
-    closes it. It records what happened (steps, final answer, last page, counters) and the first infrastructure
-    failure; an attempt with a failure, a deadline hit or a finished task is :attr:`~BrowserEpisode.over`, and every
-    later tool call is answered with a closing message instead of reaching the browser.
+Lifetimes: a :class:`BrowserEpisode` lives exactly as long as its attempt's environment session: the agent loop
+builds it once the session is seeded and drops it when the session is closed; it never closes the session. It
+records the steps, the final answer, the last page, the counters and the first infrastructure failure; once the
+attempt is :attr:`~BrowserEpisode.over` (a failure, the deadline, a finished task) every later tool call gets a
+closing message instead of reaching the browser.
 
-Who caused it decides
-    An infrastructure failure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`, an unmapped error of
-    the client, a call hung past its bound, the session held past its hold limit) is recorded on the episode the
-    moment it happens and ends the attempt. Bad arguments, unknown actions, refused navigations and the deadline are
-    policy outcomes: the model reads them and the episode is scored as it stands.
-
-Time: the deadline and the hold limit
-    ``episode_deadline_s`` bounds the episode's *environment time*: wall time from the seeded session on, less
-    the time spent inside the model's ``generate``. A trainer holding generation (colocate_async pauses it for a
-    whole training phase; verl's ``FullyAsyncLLMServerClient`` waits the pause out inside ``generate``) or a
-    request queued in the inference server therefore never spends it, and never becomes a policy zero. It is
-    checked before each generation and around each browser call (a call in flight runs to its own timeout), so
-    browser time is bounded by the deadline plus one call timeout; it never cuts a generation.
-    ``session_hold_limit_s`` bounds what the attempt costs the environment server in wall time, generation
-    included (a browser held open while the trainer pauses): past it the attempt fails as an infrastructure
-    ``timeout`` and is resampled.
+Errors: an infrastructure failure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`, an unmapped client
+error, a call hung past its bound, the hold limit) is recorded the moment it happens and ends the attempt; bad
+arguments, unknown actions, refused navigations and the deadline are policy outcomes the model reads. Clocks:
+``episode_deadline_s`` counts environment time (wall time less time inside ``generate``), checked before each
+generation and around each browser call; ``session_hold_limit_s`` counts wall time, generation included
+(``docs/agent-loop.md``).
 """
 
 from __future__ import annotations
@@ -33,10 +22,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from . import trajectories
 from .browser_calls import BROWSER_FINISH, BROWSER_NAVIGATE, NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, parse_tool_call
 from .environment import BrowserSession, ToolResult, parse_observation
 from .failures import EnvironmentFailure, FailureKind
@@ -48,6 +37,52 @@ logger = logging.getLogger(__name__)
 DEADLINE_MESSAGE = "The time limit of this episode has been reached; no further browser actions are possible."
 FINISHED_MESSAGE = "The task is already finished; no further browser actions are possible."
 ABANDONED_MESSAGE = "The browser environment failed; this attempt is abandoned."
+# How much of a step the judge and the step-wise history read: each argument, and the browser's error.
+STEP_ARGUMENT_CHARS = 80
+STEP_ERROR_CHARS = 120
+_TOOL_OF_ACTION = {action: tool for tool, action in NATIVE_TOOL_ACTIONS.items()}
+
+
+class StepOutcome(StrEnum):
+    OK = "ok"  # the browser answered
+    ERROR = "error"  # the browser answered with an error the model reads (element not found, bad arguments, ...)
+    REFUSED = "refused"  # the URL guard refused the navigation: the browser was not called
+    INVALID = "invalid"  # the call did not parse: the browser was not called
+
+
+@dataclass(frozen=True)
+class Step:
+    """One tool call of the policy's as its episode recorded it.
+
+    ``str(step)`` is the line the judge and the step-wise history read (``click(element_id=3) -> ok``). The steps
+    that :attr:`reached_browser`, called again in order as ``session.call(step.tool, step.arguments)``, repeat
+    what the browser was asked.
+    """
+
+    action: str  # observe, navigate, click, type, finish; an invalid call: the tool name the policy wrote
+    arguments: Mapping[str, Any] = field(default_factory=dict)  # as the browser got them (an invalid call: as written)
+    outcome: StepOutcome = StepOutcome.OK
+    detail: str | None = None  # the browser's error, the refusal, or why the call is invalid
+    elapsed_s: float = 0.0  # from the session's opening to the step's end, the model's time included
+
+    @property
+    def reached_browser(self) -> bool:
+        return self.outcome in (StepOutcome.OK, StepOutcome.ERROR)
+
+    @property
+    def tool(self) -> str:
+        """The environment's name of the action (``browser_click``), what the session is called with."""
+        return _TOOL_OF_ACTION.get(self.action, self.action)
+
+    def __str__(self) -> str:
+        if self.outcome is StepOutcome.INVALID:
+            return f"{self.action}: invalid call ({self.detail})"
+        if self.outcome is StepOutcome.REFUSED:
+            return f"{self.action}({str(self.arguments.get('url'))[:STEP_ARGUMENT_CHARS]!r}) -> refused"
+        shown = ", ".join(f"{k}={v!r}"[:STEP_ARGUMENT_CHARS] for k, v in self.arguments.items())
+        if self.outcome is StepOutcome.ERROR:
+            return f"{self.action}({shown}) -> error: {(self.detail or '')[:STEP_ERROR_CHARS]}"
+        return f"{self.action}({shown}) -> ok"
 
 
 def render_result(result: ToolResult) -> str:
@@ -131,7 +166,7 @@ class BrowserEpisode:
         self.finished = False
         self.final_answer: str | None = None
         self.last_observation: str | None = None
-        self.steps: list[str] = trajectories.StepLines()  # also notes when each step ended, for trajectories
+        self.steps: list[Step] = []
         self.tool_calls = 0
         self.browser_actions = 0  # calls that act on the page (observe, navigate, click, type): not finish
         self.policy_errors = 0
@@ -203,7 +238,8 @@ class BrowserEpisode:
         parsed = parse_tool_call(tool_name, parameters)
         if isinstance(parsed, str):
             self.policy_errors += 1
-            self.steps.append(f"{tool_name}: invalid call ({parsed})")
+            written = dict(parameters) if isinstance(parameters, Mapping) else {}
+            self._add_step(tool_name, written, StepOutcome.INVALID, parsed)  # the name as the policy wrote it
             return f"Error: {parsed}"
         tool, arguments = parsed
         if self.remaining() <= 0:
@@ -217,7 +253,7 @@ class BrowserEpisode:
                 await self.guard.check(arguments["url"])
             except UrlRefused as refusal:
                 self.refused_navigations += 1
-                self.steps.append(f"navigate({arguments['url'][:80]!r}) -> refused")
+                self._add_step(NATIVE_TOOL_ACTIONS[tool], arguments, StepOutcome.REFUSED, str(refusal))
                 return f"Error: navigation refused: {refusal}"
         self.tool_calls += 1
         self.browser_actions += tool != BROWSER_FINISH
@@ -251,14 +287,16 @@ class BrowserEpisode:
                 FailureKind.TIMEOUT, f"{tool} did not answer within {self.call_bound_s:g}s"
             ) from None
 
+    def _add_step(self, action: str, arguments: dict[str, Any], outcome: StepOutcome, detail: str | None) -> None:
+        self.steps.append(Step(action, dict(arguments), outcome, detail, time.monotonic() - self.started))
+
     def _record(self, tool: str, arguments: dict[str, Any], result: ToolResult) -> None:
-        action = tool.removeprefix("browser_")
-        shown = ", ".join(f"{k}={v!r}"[:80] for k, v in arguments.items())
+        action = NATIVE_TOOL_ACTIONS[tool]
         if result.error:
             self.policy_errors += 1
-            self.steps.append(f"{action}({shown}) -> error: {result.error[:120]}")
+            self._add_step(action, arguments, StepOutcome.ERROR, result.error)
         else:
-            self.steps.append(f"{action}({shown}) -> ok")
+            self._add_step(action, arguments, StepOutcome.OK, None)
         if action in ("navigate", "click", "type"):
             self._page_changed = True  # before the page is read: what the policy's own action led to is not the start
         if result.observation:

@@ -1,34 +1,15 @@
 """The ``grpo_env_aware`` advantage estimator: GRPO whose baseline ignores infrastructure failures.
 
-A sample flagged ``env_invalid`` measured the environment, not the policy. Stock GRPO would put its reward (usually
-0) into its group's mean and standard deviation and so shift every survivor's advantage. Here:
+Per prompt group: a valid sample gets GRPO over the valid members only,
+``advantage = (score - mean_valid) / (std_valid + epsilon)`` (``score - mean_valid`` when
+``norm_adv_by_std_in_grpo`` is false); a sample flagged ``env_invalid`` or with a score that is not finite gets 0 on
+every token; a group with fewer than two valid samples, a plain group of one included, gets 0 everywhere. With no
+flag set every group of two or more gets the same bits as verl's ``compute_grpo_outcome_advantage`` for float32
+rewards.
 
-- a **valid** sample gets GRPO computed over the valid members of its group only:
-  ``advantage = (score - mean_valid) / (std_valid + epsilon)``, or ``score - mean_valid`` when
-  ``norm_adv_by_std_in_grpo`` is false (Dr.GRPO);
-- an **invalid** sample gets advantage 0 on every token;
-- a sample whose score is **not finite** (NaN, ±inf: a reward no grader should give) is invalid too: one NaN
-  would otherwise turn its group's mean, standard deviation and every advantage into NaN;
-- a group with **fewer than two valid samples** gets 0 everywhere: one sample has no baseline, so it carries no
-  signal. This includes an ordinary group of one. Stock GRPO instead gives a lone sample mean 0 and std 1, i.e. its
-  raw reward as advantage, which rewards a lone survivor for whatever it scored (see the drop switch in
-  ``patches.py``). This is the only case where the two estimators differ when nothing is flagged.
-
-Reference case (NeMo RL PR #3467): rewards ``[1, 1, 0, 0]`` with the second sample invalid and no std normalisation
-give the valid samples ``[0.667, -0.333, -0.333]``.
-
-Agreement with verl's ``compute_grpo_outcome_advantage``: with no flag set, every group of two or more gets the
-same bits as stock GRPO for float32 rewards (what verl produces): the group mean is the same ``torch.mean``
-reduction over the members in sample order, and the unbiased standard deviation reproduces what ``torch.std`` does
-for the 1-D tensor stock GRPO builds per group (mean in the reward dtype, squared deviations summed in float64 in
-sample order, divided by ``n - 1``, square root, rounded back). Float64 rewards agree to within an ulp.
-
-Vectorised: samples are sorted by group once, groups are bucketed by their number of valid members, and each bucket
-is one ``(groups, size)`` tensor operation, so the Python-level work grows with the number of distinct group sizes,
-not with the number of samples. Group labels (verl passes the ``uid`` strings) are mapped to integer ids with a
-hash-based ``pandas.factorize``.
-
-Importing this module registers the estimator with verl's ``register_adv_est`` (safe across reloads).
+Pure tensor math, vectorised (no Python loop over samples). Importing this module registers the estimator with
+verl's ``register_adv_est`` (safe across reloads; a ``ValueError`` from verl when another estimator owns the name).
+Details and the reference case: ``docs/estimator-and-wiring.md``.
 """
 
 from __future__ import annotations
@@ -39,13 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .wiring import ESTIMATOR_NAME
+from .wiring import ESTIMATOR_MARK, ESTIMATOR_NAME
 
 logger = logging.getLogger(__name__)
 
 # Same default as verl's compute_grpo_outcome_advantage, so unflagged results match bit for bit.
 DEFAULT_EPSILON = 1e-6
-_OUR_MARK = "_nemo_gym_browser_estimator"
 
 
 def group_ids(index: Any) -> torch.Tensor:
@@ -160,7 +140,7 @@ def compute_grpo_env_aware_advantage(
     return advantages, advantages
 
 
-setattr(compute_grpo_env_aware_advantage, _OUR_MARK, True)
+setattr(compute_grpo_env_aware_advantage, ESTIMATOR_MARK, True)
 
 
 def register() -> None:
@@ -173,7 +153,7 @@ def register() -> None:
     existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR_NAME)
     if existing is compute_grpo_env_aware_advantage:
         return
-    if existing is not None and getattr(existing, _OUR_MARK, False):
+    if existing is not None and getattr(existing, ESTIMATOR_MARK, False):
         core_algos.ADV_ESTIMATOR_REGISTRY[ESTIMATOR_NAME] = compute_grpo_env_aware_advantage
         return
     core_algos.register_adv_est(ESTIMATOR_NAME)(compute_grpo_env_aware_advantage)

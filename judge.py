@@ -1,46 +1,19 @@
 """A binary LLM judge over any OpenAI-compatible chat-completions endpoint (a vLLM server, a hosted API).
 
-What this module owns
-    * Asking: :class:`JudgeEvidence` rendered by :mod:`~nemo_gym_browser.judge_prompt` (fenced, defanged, cut to
-      a budget) into a prompt asking for a short justification and a final line holding exactly one of two
-      verdict tokens, :data:`SUCCESS_TOKEN` or :data:`FAILURE_TOKEN`.
-    * Parsing an answer (:func:`parse_verdict_text`). Only ``message.content`` is read, never a
-      ``reasoning_content``/``reasoning`` field and never a ``<think>...</think>`` block. The verdict is its
-      last non-empty line, stripped of surrounding whitespace, when that line equals one of the two tokens
-      exactly and the other token appears nowhere in the content. Anything else is unusable.
-    * The verdict contract: :class:`Verdict` is usable (``success`` is ``True`` or ``False``) or it is not
-      (``success is None``, with a reason). :meth:`BinaryJudge.judge` never raises.
+Contract: :meth:`BinaryJudge.judge` renders :class:`JudgeEvidence` through :mod:`~nemo_gym_browser.judge_prompt`
+and returns a :class:`Verdict` that is usable (``success`` True or False) or not (``success is None``, with a
+reason); it never raises for judge-side problems. Only the last non-empty line of ``message.content`` decides
+(:func:`parse_verdict_text`), and only when it is exactly one of the two tokens and the other appears nowhere. An
+answer without a verdict is blamed on the policy only when the judge gives one on the task with the policy's text
+withheld (:func:`without_policy_text`; ``Verdict.policy_caused``).
 
-Who caused an answer without a verdict
-    The judge's side, so unusable (``judge_unusable``, kept out of training): no connection, a timeout, a 5xx, a
-    429, 401/403/404 and any other non-2xx, a body that is not a chat completion or has no message. The policy's
-    side, possibly: the judge *answered* the prompt without a verdict (a refusal, ``finish_reason`` ``length`` or
-    ``content_filter``, no or both tokens, empty content; or a prompt refused with ``error.code`` ``content_filter``).
-    Then, after the retries, the judge is asked about the task with the policy's text withheld
-    (:func:`without_policy_text`: no answer, steps or page). A verdict there shows the judge works and the policy's
-    text (its answer, or a page it chose) left it without one: a usable failure (``policy_caused``), score 0. No
-    verdict there either: the judge or the task is at fault, and the verdict stays unusable.
+Lifetimes: the aiohttp session is opened lazily in the running event loop and released by ``await judge.close()``
+(or ``async with``); every request runs under ``timeout_s`` and a semaphore of ``max_concurrency``; usable verdicts
+are cached in a bounded LRU, and identical requests in flight share one call.
 
-Retries
-    An unusable answer is retried on the same evidence (the same request body) up to ``max_attempts``
-    requests in total, with exponential backoff (``backoff_s`` doubling, capped at ``backoff_max_s``).
-    A 429 waits for its ``Retry-After`` (also capped at ``backoff_max_s``). Client errors that cannot change
-    on a repeat (400, 401, 403, 404, 413, 422) are not retried.
-
-Cache (bounded)
-    Usable verdicts are cached in an LRU keyed by the SHA-256 of the request body (model, sampling settings
-    and the rendered prompt). The bound is ``VERDICT_CACHE_SIZE`` entries (4096); an entry is
-    a 64-character key and a verdict whose reason is at most 300 characters, so the cache stays below a few
-    MB. Unusable verdicts are never cached. Concurrent calls with the same key share one in-flight request.
-
-Lifetimes
-    The aiohttp session is created lazily inside the running event loop on first use and released by
-    ``await judge.close()`` (or ``async with``); a later call opens a new one. Every request runs under
-    ``timeout_s`` and a semaphore of ``max_concurrency``.
-
-Secrets
-    The config holds the *name* of the environment variable with the API key (``api_key_env``); the key is
-    read once at construction and never appears in a log line, an error, a reason or a repr.
+Errors: a missing API key variable raises :class:`~nemo_gym_browser.settings.JudgeConfigError` at construction; the
+key is read once and never appears in a log line, an error, a reason or a repr. Retries, blame and the cache:
+``docs/judge.md``.
 """
 
 from __future__ import annotations
@@ -55,8 +28,8 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import aiohttp
@@ -111,19 +84,6 @@ class Verdict:
             raise ValueError("a usable verdict has success True/False; an unusable one has success None")
         if self.policy_caused and self.success is not False:
             raise ValueError("only a failure can be caused by the policy's text")
-
-
-@dataclass(frozen=True)
-class JudgeStats:
-    """Cumulative counters of one :class:`BinaryJudge` (:attr:`BinaryJudge.stats`), kept in its process for
-    diagnosis; they are not reported as training metrics."""
-
-    requests: int = 0
-    cache_hits: int = 0
-    inflight_joins: int = 0
-    usable_verdicts: int = 0
-    unusable_verdicts: int = 0
-    policy_caused_failures: int = 0  # included in usable_verdicts
 
 
 # --- wire models (OpenAI chat-completions, as served by vLLM and hosted APIs) ---------------------------------
@@ -283,12 +243,6 @@ class BinaryJudge:
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stats = JudgeStats()
-
-    @classmethod
-    def from_config(cls, config: JudgeConfig | Mapping[str, Any]) -> BinaryJudge:
-        """Build from a :class:`JudgeConfig` or a mapping of its fields (a hydra ``DictConfig`` too)."""
-        return cls(config if isinstance(config, JudgeConfig) else JudgeConfig.from_mapping(config))
 
     @classmethod
     def shared(cls, config: JudgeConfig) -> BinaryJudge:
@@ -300,10 +254,6 @@ class BinaryJudge:
 
     def __repr__(self) -> str:
         return f"BinaryJudge(base_url={self.config.base_url!r}, model={self.config.model!r})"
-
-    @property
-    def stats(self) -> JudgeStats:
-        return self._stats
 
     async def __aenter__(self) -> BinaryJudge:
         return self
@@ -349,14 +299,12 @@ class BinaryJudge:
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
-            self._count(cache_hits=1)
             logger.debug("judge[%s]: cache hit %s", label, key[:12])
             return replace(cached, attempts=0, cached=True)
 
         self._bind_loop()
         task = self._inflight.get(key)
         if task is not None:
-            self._count(inflight_joins=1)
             logger.debug("judge[%s]: joining the in-flight request %s", label, key[:12])
             verdict = await asyncio.shield(task)
             return replace(verdict, attempts=0, cached=True)
@@ -372,10 +320,6 @@ class BinaryJudge:
     def _forget(self, key: str, task: asyncio.Task[Verdict]) -> None:
         if self._inflight.get(key) is task:
             del self._inflight[key]
-
-    def _count(self, **increments: int) -> None:
-        values = {f.name: getattr(self._stats, f.name) + increments.get(f.name, 0) for f in fields(JudgeStats)}
-        self._stats = JudgeStats(**values)
 
     def _bind_loop(self) -> None:
         """Tie the session, semaphore and in-flight table to the running loop (a new loop gets new ones)."""
@@ -408,12 +352,8 @@ class BinaryJudge:
         verdict, answered = await self._ask(body, label)
         if not verdict.usable and answered and control is not None:
             verdict = await self._blame(verdict, control, label)
-        if control is not None:  # a control request is counted in requests only
-            if verdict.usable:
-                self._count(usable_verdicts=1, policy_caused_failures=int(verdict.policy_caused))
-            else:
-                self._count(unusable_verdicts=1)
-                logger.warning("judge[%s]: %s", label, verdict.reason)
+        if control is not None and not verdict.usable:  # a probe (no control) is reported with the verdict it decides
+            logger.warning("judge[%s]: %s", label, verdict.reason)
         if verdict.usable and VERDICT_CACHE_SIZE:
             self._cache[key] = verdict
             while len(self._cache) > VERDICT_CACHE_SIZE:
@@ -470,7 +410,6 @@ class BinaryJudge:
         """One request; every transport, HTTP and parse problem becomes an unusable :class:`_Attempt`."""
         assert self._semaphore is not None
         async with self._semaphore:
-            self._count(requests=1)
             logger.debug("judge[%s]: request attempt %d to %s", label, attempt, self._url)
             try:
                 async with self._http().post(self._url, data=body) as response:
@@ -540,7 +479,6 @@ __all__ = [
     "SYSTEM_PROMPT",
     "BinaryJudge",
     "JudgeEvidence",
-    "JudgeStats",
     "Verdict",
     "defang",
     "parse_verdict_text",

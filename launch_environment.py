@@ -1,30 +1,16 @@
 """Bring up the real NeMo Gym 0.7.0 ``interactive_browser`` resources server on 127.0.0.1, and take it down again.
 
-This module owns the local environment the integration tier and the README's first command run against: the
-resources server from the ``.venv-gym`` virtual environment (built by ``scripts/setup_environment.sh``), started
-alone as NeMo Gym starts each server (``python app.py +config_paths=[cfg.yaml]`` in the server folder, with
-``NEMO_GYM_CONFIG_PATH`` naming the instance), and Debian's headless Chromium behind it.
+:class:`LocalEnvironment` runs the server from ``.venv-gym`` (``scripts/setup_environment.sh``) as NeMo Gym starts
+each server, with Debian's headless Chromium behind it: backend ``remote_cdp`` (default; one Chromium of ours over
+CDP on a loopback port) or ``local_playwright`` (the server launches one per session from a
+``PLAYWRIGHT_BROWSERS_PATH`` folder of links to ``--chromium``).
 
-Backends:
-- ``remote_cdp`` (default): we start one Chromium with remote debugging on a loopback port and the server's
-  ``static_cdp`` provider points at it; every session gets a fresh browser context on that Chromium.
-- ``local_playwright``: the server launches a Chromium per session itself. nemo-gym 0.7.0 takes no browser path: its
-  Playwright finds the browser in a ``PLAYWRIGHT_BROWSERS_PATH`` folder, which we lay out as the setup script lays
-  out the gym venv's, with every link pointing at ``--chromium``.
-
-Guarantees:
-- Everything binds 127.0.0.1 only.
-- The server and Chromium get an allow-listed environment (:mod:`credentials`): no key or token of ours.
-- Every wait is bounded; a server that does not come up raises :class:`EnvironmentStartError` with a diagnosis and
-  the tail of its log.
-- ``stop()`` (also on ``with`` exit, Ctrl-C, SIGTERM in the CLI, and interpreter exit) ends everything this object
-  started: each process group it created, then any process left that belongs to it (a descendant, or a Chromium or
-  Playwright process whose command line names this environment's private temporary folder, as Chromium's
-  daemonized crash handlers and Playwright-launched browsers do), by PID. It never touches processes it did not
-  start. If this process is SIGKILLed, Linux kills the server and Chromium too (parent-death signal, set when
-  started from the main thread); only the temporary folder is left behind then.
-- :meth:`LocalEnvironment.browser_state` reports what the server holds open (browser contexts and pages on the
-  CDP Chromium, Playwright drivers and browsers under the server), for leak checks.
+Guarantees: everything binds 127.0.0.1; the server and Chromium get an allow-listed environment
+(:mod:`~nemo_gym_browser.credentials`); every wait is bounded, and a server that does not come up raises
+:class:`EnvironmentStartError` with a diagnosis and the tail of its log. ``stop()`` (also on ``with`` exit, Ctrl-C,
+SIGTERM in the CLI and interpreter exit) ends by PID everything this object started and nothing else; if this
+process is SIGKILLed, a parent-death signal takes the server and Chromium too. Details:
+``docs/rehearsal-and-cpu-training.md#real-local-environment``.
 
 CLI::
 

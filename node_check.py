@@ -1,23 +1,15 @@
 """Check, on one node, what a training job will run there: the submit script's first step on every node.
 
-``submit_webvoyager.sh`` runs this with the job's own ``PYTHON`` on every node at once (one short step each), before
-it composes the config or starts a server or Ray, so a node that cannot train costs the job seconds and is named:
+``submit_webvoyager.sh`` runs this with the job's own ``PYTHON`` on every node at once, before it composes the config
+or starts a server or Ray, so a node that cannot train costs the job seconds and is named. Checks: ``verl`` (the
+version in ``REQUIRED_VERL.txt``), ``torch`` (a CUDA build that sees the GPUs Slurm gave the node; a CPU torch under
+``VERL_PLATFORM=cpu``), ``vllm`` (the version verl pins, for ``rollout.name=vllm``), ``flash-attn`` (when the
+attention implementation needs it), ``chromium`` and ``gym-venv``. The rollout engine and the attention
+implementation come from ``--config`` (a composed config), else ``configs/webvoyager_grpo.yaml`` with the overrides
+after ``--``, else verl's defaults.
 
-* ``verl``        the installed verl is the version in ``REQUIRED_VERL.txt``;
-* ``torch``       a CUDA build (``torch.version.cuda``) that sees the GPUs Slurm gave this node (``SLURM_GPUS_ON_NODE``,
-                  else ``CUDA_VISIBLE_DEVICES``, else ``SLURM_JOB_GPUS``); given none (a dry run), the count is not
-                  checked. A CPU run (``VERL_PLATFORM=cpu``, the tests' CPU backend) takes a CPU torch and says so;
-* ``vllm``        the version verl's own metadata pins (its ``vllm`` extra), when ``actor_rollout_ref.rollout.name`` is
-                  ``vllm``;
-* ``flash-attn``  imports, when ``actor_rollout_ref.model.override_config.attn_implementation`` (verl's default:
-                  ``flash_attention_2``) needs it;
-* ``chromium``    the browser at ``--chromium`` runs ``--version``;
-* ``gym-venv``    the environment server's venv: its ``bin/python`` runs (a link to an interpreter this node lacks is
-                  named) and imports nemo-gym and its server, and ``scripts/setup_environment.sh`` completed it.
-
-The two settings come from ``--config`` (a config composed by ``main_ppo --cfg job``), else from the recipe's
-``configs/webvoyager_grpo.yaml`` with the hydra overrides after ``--`` applied, and verl's default where neither
-sets one. Exit codes: 0 every check passed, 1 a check failed (each failure one line: node, problem, fix), 2 usage.
+Exit codes: 0 every check passed, 1 a check failed (each failure one line: node, problem, fix), 2 usage. Each
+check and its fix: ``docs/cluster-guide.md#the-node-check``.
 """
 
 from __future__ import annotations

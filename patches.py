@@ -1,45 +1,18 @@
 """Getting the per-sample flags to ``grpo_env_aware`` and to the step metrics inside verl 0.9.1's two PPO trainers:
-installing the wrappers of :mod:`trainer_wrappers` (what they do: routing rule, step metrics) into verl.
+installing the wrappers of :mod:`trainer_wrappers` into verl.
 
-What this module guarantees
-    With the recipe's patching active, a batch whose samples carry ``env_invalid`` and whose configured estimator is
-    ``grpo`` (or ``grpo_env_aware``) gets its advantages from ``group_stats.grpo_env_aware``, and every training step
-    whose batch carries the flags gets the ``env/*`` metrics of :mod:`episode_metrics` in the metrics dict verl logs
-    (whatever the estimator). Every other call is forwarded to verl's own function with the very same arguments, so
-    a run whose batches carry no flag, or that uses any other estimator, produces bit-identical tensors (and, without
-    flags, the very same metrics) to stock verl. ``install()`` is idempotent, logs one line when it changes
-    something, and raises ``PatchError`` naming the installed verl version when a function it wraps is missing or no
-    longer has the shape it was written against. Importing this module imports neither torch nor verl.
+Guarantees: a batch whose samples carry ``env_invalid`` under estimator ``grpo`` or ``grpo_env_aware`` gets its
+advantages from ``grpo_env_aware``, and every step whose batch carries flags gets the ``env/*`` metrics; every other
+call goes to verl's own function with the same arguments, so a run without flags is bit-identical to stock verl.
 
-What is wrapped (module attributes verl looks up at call time)
-    ``ray_trainer.compute_advantage`` (legacy trainer; ``v1.utils`` binds the same function by name),
-    ``ray_trainer.compute_data_metrics`` and ``RayPPOTrainer._val_metrics_update``;
-    ``v1.utils.compute_advantage_for_multi_trajectories`` (``trainer_base`` binds it by name);
-    ``PPOTrainer._compute_advantage``, ``_compute_metrics`` and ``_val_metrics_update`` (V1;
-    ``sync``, ``colocate_async`` and ``separate_async`` all inherit them). ``core_algos``, when imported, gets
-    ``grpo_env_aware`` registered for explicit use. Each binding of one function shares one wrapper. verl's
-    experimental trainers (``fully_async_policy``, ``separation``, ``one_step_off_policy``) are not covered.
+Lifetimes: ``install()`` patches the four verl modules now; ``install_on_import()`` (``sitecustomize.py``, the
+``verl.plugins`` entry point) patches each when it is first imported. Both are idempotent, log one line when they
+change something, and do nothing under ``NEMO_GYM_BROWSER_PATCHES=0``. Importing this module imports neither torch
+nor verl.
 
-Why wrappers and not a registered estimator or a V1 trainer mode (what verl 0.9.1 offers, read off its source)
-    - A registered estimator (``register_adv_est``) gets ``token_level_rewards``, ``response_mask``, ``config``,
-      ``index`` and ``reward_baselines`` only (``non_tensor_batch`` goes to ``gdpo`` alone), and the V1 trainer
-      fetches a fixed field list from TransferQueue that has no per-sample flag. Worse, V1's
-      ``compute_advantage_for_multi_trajectories`` applies its session handling (GRPO over each session's final
-      output, broadcast to the session's other outputs) only when the estimator *is* ``grpo``; any other name loses
-      multi-output sessions.
-    - A registered V1 trainer mode (``register_trainer`` + ``trainer.v1.trainer_mode``): ``PPOTrainer`` compares
-      ``trainer_mode`` with ``"sync"`` to choose the replay buffer, the refill policy and the off-policy bookkeeping,
-      and reads ``trainer.v1.<mode>`` for its settings. A new name would silently switch a sync run to async
-      semantics, each of the three modes would need its own subclass, and the legacy trainer stays uncovered.
-
-Installation
-    - ``install()``: eager; imports the four verl modules and patches them now.
-    - ``install_on_import()``: lazy; adds an import hook that patches each of those modules when it is first
-      imported (and patches the ones already imported). ``sitecustomize.py`` and the ``verl.plugins`` entry point use
-      this, so every process (Ray workers included) gets the wiring without importing torch or verl early.
-    - ``NEMO_GYM_BROWSER_PATCHES=0`` (also ``false``/``no``/``off``) turns all of it off; both functions then return
-      ``False``. verl forwards only some environment variables to Ray workers: export it before ``ray start`` or
-      pass it through the Ray runtime environment.
+Errors: :class:`~nemo_gym_browser.wiring.PatchError`, naming the installed verl version, when a wrapped function is
+missing or no longer has the shape it was written against. What is wrapped and why wrappers:
+``docs/estimator-and-wiring.md``.
 """
 
 from __future__ import annotations
@@ -56,6 +29,7 @@ from typing import Any
 
 from .wiring import (
     CORE_ALGOS,
+    ESTIMATOR_MARK,
     ESTIMATOR_NAME,
     PATCHES_ENV,
     RAY_TRAINER,
@@ -136,7 +110,7 @@ def installed_targets() -> list[str]:
 def _patch_core_algos(module: ModuleType) -> bool:
     for name in ("register_adv_est", "ADV_ESTIMATOR_REGISTRY", "AdvantageEstimator"):
         _require(module, name)
-    if getattr(module.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR_NAME), "_nemo_gym_browser_estimator", False):
+    if _registers_ours(module.ADV_ESTIMATOR_REGISTRY):
         return False
     from . import group_stats
 
@@ -211,10 +185,14 @@ _APPLY: dict[str, Callable[[ModuleType], bool]] = {
 }
 
 
+def _registers_ours(registry: dict[str, Any]) -> bool:
+    """Whether verl's estimator registry holds this recipe's estimator under its name (group_stats marks it)."""
+    return getattr(registry.get(ESTIMATOR_NAME), ESTIMATOR_MARK, False)
+
+
 def _is_patched(name: str, module: ModuleType) -> bool:
     if name == CORE_ALGOS:
-        registry = getattr(module, "ADV_ESTIMATOR_REGISTRY", {})
-        return getattr(registry.get(ESTIMATOR_NAME), "_nemo_gym_browser_estimator", False)
+        return _registers_ours(getattr(module, "ADV_ESTIMATOR_REGISTRY", {}))
     if name == RAY_TRAINER:
         return (
             _is_ours(getattr(module, "compute_advantage", None))

@@ -1,50 +1,17 @@
 """Which environment server a new browser session goes to, and how many sessions each server holds at once.
 
-Why the run-wide authority and not a static share of the cap (``bench/placement_share.py``, numbers in its JSON)
-    verl cuts a batch into equal chunks in order, and a prompt's samples are adjacent, so one agent-loop worker can
-    hold all the long episodes while others finish early. On such a batch (8 workers, 4 servers capped at 4, one
-    worker with 3x the others' work) a static share of 2 slots per worker took 52.3 s against the authority's
-    25.8 s (2.0x; 1.7x in an earlier run), servers 36 % busy against 73 %: the early workers' slots sat idle while
-    the busy worker queued. Both held every server at its cap, never above. A worker killed holding sessions
-    left its browsers open to the end under the static share; the authority closed them and freed the slots
-    5.2 s after the kill (``lease_ttl_s`` 5 there, 60 by default; in verl 0.9.1 nothing restarts a dead worker and
-    the step fails either way, so this counts for less). When ``max_sessions_per_server`` times the
-    servers covers every episode of a batch, neither design waits and they are the same.
+The rule (:class:`PlacementBook`): a new session goes to the server with the fewest sessions in flight among those
+in rotation and under their cap (``max_sessions_per_server``); a server out of rotation gets one only when no server
+is, which probes it back in; when every candidate is full the request waits, first come first served. Its hosts
+(``EnvironmentConfig.placement``): :class:`ProcessPlacement` counts this process's sessions; :class:`RayPlacement`
+counts the whole run's in one :class:`PlacementAuthority` actor (one per node for loopback URLs).
 
-What this module owns
-    * The placement rule, :class:`PlacementBook`: a new session goes to the server with the fewest sessions in
-      flight among the servers in rotation and under their cap (``max_sessions_per_server``). A server out of
-      rotation (it stopped answering; for ``server_cooldown_s``) gets a session only when no server is in rotation,
-      which probes it back in. When every candidate is full the request waits, first come first served, and a slot
-      given back is handed straight to the first waiter that can use it (no wake-up storm).
-    * Three hosts for that one rule; ``EnvironmentConfig.placement`` chooses between the first two:
-        - :class:`ProcessPlacement` counts the sessions of this process only: tests, ``smoke_environment.py`` and
-          tools that run without Ray.
-        - :class:`RayPlacement` counts the sessions of the whole run in one :class:`PlacementAuthority` actor that
-          every process shares, so the cap holds per server however many ``AgentLoopWorker`` processes open
-          sessions on it. Loopback server URLs get one authority per node (``127.0.0.1:8100`` is another server on
-          every node); other URLs one per run. ``auto`` (the default) uses it whenever the process is connected to
-          Ray, as verl's workers are.
-        - :class:`StaticSharePlacement` counts this process's sessions within a fixed share of every server's cap
-          (:func:`static_share`), decided locally from the worker's rank and the number of workers: no actor, no
-          leases, and the cost measured above.
+Lifetimes (:class:`RayPlacement`): every slot is a lease whose id the client chose before asking, given back in the
+client's ``finally``; a process silent for ``lease_ttl_s`` is taken for dead and its slots count until a live
+process has closed its browsers; the authority ends itself after ``idle_exit_s`` without a heartbeat.
 
-Leases (:class:`RayPlacement`)
-    Every slot is a lease whose id the client chose before asking, so nothing is lost whatever happens in between:
-      * the client gives it back in its ``finally`` (success, failure, cancellation); a request cancelled while it
-        waits, or while its answer is on the way, is given back by id, and a give-back that overtakes its own
-        request is remembered and the request refused;
-      * a process that dies holding leases stops its heartbeat (every ``lease_ttl_s / 4``); ``lease_ttl_s`` later
-        its leases become orphans. An orphan still counts against its server until a live process has closed its
-        browser (the typed close, by session id) and given it back: the server never closes a browser by itself,
-        so releasing the slot without the close would let the server hold more browsers than its cap;
-      * the authority ends itself once it has heard from no process for ``idle_exit_s`` (every live process
-        heartbeats, so the run is over).
-    A process whose event loop stalls for longer than ``lease_ttl_s`` is taken for dead: its browsers are closed
-    and its episodes see ``session_lost`` (an infrastructure failure, resampled), never a wrong score.
-
-Nothing here speaks HTTP (closing an orphan's browser is the caller's ``reap`` callback) or knows verl; Ray is
-imported only by :class:`RayPlacement`.
+Errors: :class:`PlacementUnavailable`. Nothing here speaks HTTP (closing an orphan's browser is the caller's
+``reap`` callback) or knows verl; Ray is imported only by :class:`RayPlacement`. In full: ``docs/agent-loop.md``.
 """
 
 from __future__ import annotations
@@ -155,7 +122,7 @@ class PlacementBook:
     def __init__(self) -> None:
         self._slots: dict[str, _Slot] = {}
         self._waiters: list[_Waiter] = []
-        self._limits: dict[str, int] = {}  # a lower cap for some servers (a static share); absent: the request's
+        self._limits: dict[str, int] = {}  # a lower cap for some servers; absent: the request's
 
     def outstanding(self) -> dict[str, int]:
         return {server: slot.outstanding for server, slot in self._slots.items()}
@@ -263,44 +230,6 @@ class ProcessPlacement:
 
     async def close(self) -> None:
         return None
-
-
-def static_share(cap: int, servers: Sequence[str], rank: int, workers: int) -> dict[str, int]:
-    """The slots worker ``rank`` of ``workers`` may hold on each server, decided without asking anyone.
-
-    The ``cap * len(servers)`` slots are dealt server by server, one to each worker in turn: every server's slots
-    sum to ``cap`` over the workers, workers' totals differ by at most one, and a worker's slots land on different
-    servers before any server gets two of them (when ``workers >= cap``).
-    """
-    if not 0 <= rank < workers:
-        raise ValueError(f"worker rank {rank} is not in [0, {workers})")
-    if cap * len(servers) < workers:
-        raise ValueError(f"{cap} sessions on each of {len(servers)} servers cannot give each of {workers} workers one")
-    share = dict.fromkeys(servers, 0)
-    for index, server in enumerate(servers):
-        share[server] = sum(1 for slot in range(index * cap, (index + 1) * cap) if slot % workers == rank)
-    return share
-
-
-class StaticSharePlacement(ProcessPlacement):
-    """The rule over this process's sessions, within a fixed share of every server's cap (:func:`static_share`).
-
-    No process talks to another: the cap holds per server as long as every worker sharing the servers has a
-    distinct ``rank`` and the same ``workers``. The slots of a worker that dies are lost and its browsers stay open
-    on the servers until they restart (nothing else knows about them); an idle worker's slots stay idle.
-    """
-
-    def __init__(self, rank: int, workers: int) -> None:
-        super().__init__()
-        self.rank = rank
-        self.workers = workers
-        self._dealt: tuple[tuple[str, ...], int] | None = None
-
-    async def acquire(self, servers: Sequence[str], cap: int, ticket: SessionTicket) -> Grant:
-        if self._dealt != (tuple(servers), cap):
-            self.book.limit(static_share(cap, servers, self.rank, self.workers))
-            self._dealt = (tuple(servers), cap)
-        return await super().acquire(servers, cap, ticket)
 
 
 # ----- the whole run -------------------------------------------------------------------------------------------

@@ -1,48 +1,14 @@
 """Check a composed verl config for this recipe before any GPU is touched: the submit script's last word before Ray.
 
 ``submit_webvoyager.sh`` composes the full configuration with ``python -m verl.trainer.main_ppo ... --cfg job`` (which
-proves every override key exists) and hands the result to this CLI, which checks what composing cannot:
+proves every override key exists) and hands the result to this CLI, which checks what composing cannot: ``paths``,
+``verl`` (verl's own ``validate_config``), ``estimator``, ``agent-loop``, ``setting-layers``, ``tools``, ``data``,
+``interface``, ``prompts`` and ``judge``. With ``--ray-workers`` (once the Ray cluster is up) it runs instead one
+check on every alive node of what a Ray worker there sees (the drop switch, the recipe, the estimator, the judge key
+variable; with ``--probe-judge`` the judge endpoint from that node).
 
-* ``paths``      the agent-loop and tool configs are absolute, existing files (Ray workers open them elsewhere), the
-                 environment servers are set, the model path is not verl's placeholder;
-* ``verl``       ``verl.utils.config.validate_config``, the check ``main_ppo`` itself runs first (batch sizes against
-                 GPUs, micro-batch settings, ...);
-* ``estimator``  ``algorithm.adv_estimator`` is registered in a fresh process, as it must be in every Ray worker
-                 (the recipe's plugin entry point or ``sitecustomize.py`` does that);
-* ``agent-loop`` the default agent loop is in the agent-loop YAML, its class imports, and its settings (YAML kwargs
-                 with the trainer config's ``nemo_gym_browser`` section on top) build, unknown keys rejected;
-* ``setting-layers`` no setting is given in one place and silently replaced by a later one: a key of the
-                 agent-loop YAML that the trainer config's section sets otherwise, or a key of
-                 ``configs/webvoyager_grpo.yaml``'s section changed from its default that config.env replaces on
-                 every run (``docs/configuration.md#which-place-wins``); each named with both places;
-* ``tools``      verl loads the tool config (``load_all_tools``), as each AgentLoopWorker will;
-* ``data``       verl resolves ``data.custom_cls``, the class loads every train and val row, the agent loop can
-                 read each row's episode, its ``verifier_metadata`` keeps the one rule of ``rows.py`` (one known
-                 key, a non-empty string: the server grades only one), and there is at least one full batch (verl
-                 drops the last incomplete one);
-* ``interface``  every row teaches the tools the tool config gives the model: rows record the interface they were
-                 prepared for as the tools in ``responses_create_params.tools`` (``prepare_webvoyager_data.py
-                 --tool-interface``), and a prompt that teaches a tool the model is not given makes every call an
-                 "Unknown function" error, scored as an ordinary policy zero;
-* ``prompts``    when the model is a local folder: its chat template renders the tools, and every prompt, built as
-                 the agent loop builds it, fits ``rollout.prompt_length`` (verl would silently cut its head: the
-                 system prompt and the tools);
-* ``judge``      without a judge, no row may lack ``verifier_metadata`` (nothing else could score it); with one,
-                 a loopback judge URL is refused on a multi-node run unless ``--judge-on-every-node`` says a judge
-                 serves it on every node (rollouts run on every node and each would reach its own); with
-                 ``--probe-judge``, the endpoint lists the judge model.
-
-With ``--ray-workers`` (once the Ray cluster is up, ``RAY_ADDRESS`` set) it runs one more check instead:
-
-* ``ray-workers`` a task pinned to every alive node reports what a Ray worker there sees: the drop switch
-                 ``NEMO_GYM_BROWSER_DROP_INVALID`` with the value this process has, the recipe importable, the
-                 estimator registered, and the judge key variable present (never its value); with
-                 ``--probe-judge``, the judge endpoint answering from that node with the judge model, asked with the
-                 key the worker has. Shell variables reach Ray workers only through the raylet's environment, and
-                 rollouts (and their judge calls) run on every node, so this is where a missing export or an
-                 unreachable judge shows.
-
-Exit codes: 0 every check passed, 1 a check failed (each failure says what to change), 2 usage or unreadable input.
+Each failure says what to change; nothing here starts a server or uses a GPU. Exit codes: 0 every check passed, 1 a
+check failed, 2 usage or unreadable input. What each check looks at: ``docs/cluster-guide.md#the-preflight``.
 """
 
 from __future__ import annotations
@@ -322,7 +288,7 @@ def row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
     read its episode or its ``verifier_metadata`` breaks the one rule (a custom dataset class may not apply it)."""
     from nemo_gym_browser.dataset import row_tool_names
     from nemo_gym_browser.episode import EpisodeSpec
-    from nemo_gym_browser.rows import VerifierMetadataError, validate_verifier_metadata
+    from nemo_gym_browser.rows import RowValueError, validate_verifier_metadata
 
     extra_info = sample.get("extra_info")
     location = extra_info.get("source") if isinstance(extra_info, dict) else None
@@ -333,7 +299,7 @@ def row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
         raise CheckFailed(f"{location}: the agent loop cannot read this row's episode: {exc}") from exc
     try:
         verifier = validate_verifier_metadata(spec.verifier_metadata)
-    except VerifierMetadataError as exc:
+    except RowValueError as exc:
         raise CheckFailed(f"{location}: {exc}") from exc
     names = row_tool_names(sample)
     return RowFacts(location, verifier is None, None if names is None else tuple(names))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_browser.browser_calls import BROWSER_CLICK
+from nemo_gym_browser.sample_flags import ATTEMPTS_KEY, FAILURE_KIND_KEY, INVALID_KEY
 
 RECIPE_DIR = Path(__file__).resolve().parent
 TASKS = RECIPE_DIR / "examples" / "local_tasks.jsonl"
@@ -277,10 +278,10 @@ def print_table(output: Any, plans: dict[int, SamplePlan], recipe: list[float], 
             print()
         previous = uid
         plan = plans[i]
-        kind = columns["env_failure_kind"][i] or "-"
+        kind = columns[FAILURE_KIND_KEY][i] or "-"
         print(
             f"{uid:<15} {i % GROUP_SIZE:>2} {'correct' if plan.correct else 'wrong':<8} {rewards[i]:>6.1f} "
-            f"{'yes' if columns['env_invalid'][i] else 'no':<7} {kind:<18} {columns['env_attempts'][i]:>3} "
+            f"{'yes' if columns[INVALID_KEY][i] else 'no':<7} {kind:<18} {columns[ATTEMPTS_KEY][i]:>3} "
             f"{recipe[i]:>+10.3f} {stock[i]:>+10.3f}  {plan.note}"
         )
 
@@ -289,12 +290,12 @@ def check(output: Any, plans: dict[int, SamplePlan], recipe: list[float], config
     """What must hold: flags as planned, advantages as the estimator's contract says."""
     columns = output.non_tensor_batch
     rewards = output.batch["rm_scores"].sum(-1).tolist()
-    invalid = [bool(v) for v in columns["env_invalid"]]
+    invalid = [bool(v) for v in columns[INVALID_KEY]]
     problems = []
     for i, plan in plans.items():
         exhausted = len(plan.fault_attempts) >= MAX_ATTEMPTS
         if invalid[i] != exhausted:
-            problems.append(f"sample {i}: env_invalid={invalid[i]}, planned {exhausted}")
+            problems.append(f"sample {i}: {INVALID_KEY}={invalid[i]}, planned {exhausted}")
         if not invalid[i] and rewards[i] != float(plan.correct):
             problems.append(f"sample {i}: reward {rewards[i]}, a {'correct' if plan.correct else 'wrong'} policy")
     expected = expected_advantages(
@@ -324,8 +325,8 @@ async def rehearse(server_url: str, workdir: Path) -> int:
     recipe, stock = advantages(output, config)
     print_table(output, plans, recipe, stock)
     columns = output.non_tensor_batch
-    resampled = sum(1 for a in columns["env_attempts"] if a > 1)
-    invalid = sum(bool(v) for v in columns["env_invalid"])
+    resampled = sum(1 for a in columns[ATTEMPTS_KEY] if a > 1)
+    invalid = sum(bool(v) for v in columns[INVALID_KEY])
     print(
         f"\nrollouts: {len(samples)} in {elapsed:.1f}s; resampled {resampled}, recovered {resampled - invalid}, "
         f"invalid after {MAX_ATTEMPTS} attempts {invalid}; sessions left open on the server: {left_open}"

@@ -1,24 +1,17 @@
 """Cancelling a cut generation on the rollout server, not only in this process.
 
-What this module owns
-    * :func:`track_rollout_requests`: wrapping, once per client object, the rollout-server handle verl's
-      ``LLMServerClient`` gets from its private ``_acquire_server``, so that each request's Ray ``ObjectRef`` is
-      noted. verl's private method is checked first (:func:`check_acquire_server`): a verl whose client no longer
-      looks as this module expects is refused with :class:`RolloutCancelUnsupported`, never wrapped blindly.
-    * :func:`generate_within`: awaiting a generation for at most a given time; a generation cut by that time or by
-      cancellation has its requests ``ray.cancel``-ed on the rollout server.
+Contract: :func:`track_rollout_requests` wraps, once per client object, the rollout-server handle verl's
+``LLMServerClient`` gets from its private ``_acquire_server``, so each request's Ray ``ObjectRef`` is noted;
+:func:`generate_within` awaits a generation for at most a given time, and a generation cut by that time or by
+cancellation has its requests ``ray.cancel``-ed on the server (vLLM aborts them). Why: verl 0.9.1 gives each turn a
+fresh vLLM request id it does not expose, and cancelling the task that awaits an ``ObjectRef`` leaves the actor's
+task running, so vLLM would decode a cut generation for nobody (``docs/agent-loop.md#session-hold-limit``).
 
-Why
-    verl 0.9.1's client awaits ``server.generate.remote(...)`` on a Ray actor handle, with a fresh vLLM request id
-    per turn that it does not expose. Cancelling the task that awaits such a request does not cancel the actor's
-    task (Ray: cancelling the future of an ObjectRef leaves the task running), so vLLM would decode a cut
-    generation to its end for nobody, and a request parked while the trainer pauses generation would start once
-    it resumes. ``ray.cancel`` on the ObjectRef cancels the server's ``generate`` coroutine; vLLM aborts a request
-    whose generator is cancelled.
+Lifetimes: a generation's requests are noted in a context variable set for one :func:`generate_within` call only;
+a tracked client stays tracked for its own lifetime.
 
-Lifetimes
-    The requests of a generation are noted in a context variable set for the duration of one
-    :func:`generate_within` call only; a tracked client stays tracked for its own lifetime.
+Errors: a verl whose client no longer looks as expected is refused with :class:`RolloutCancelUnsupported`
+(:func:`check_acquire_server`), never wrapped blindly.
 """
 
 from __future__ import annotations

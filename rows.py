@@ -1,36 +1,17 @@
-"""The row contract: what a NeMo Gym row for the ``interactive_browser`` server must carry, and why.
+"""The row contract: what a NeMo Gym row for the ``interactive_browser`` server must carry, and the one rule for each
+part that data preparation, the dataset, the preflight and the environment client all apply.
 
-A row (one JSONL line) carries
-    ``responses_create_params.input``  the prompt: chat messages with text content and at least one user message.
-    ``initial_url``                    where the server opens the browser at seed time (a path relative to the
-                                       server's folder becomes ``file://``).
-    ``verifier_metadata``              optional: how ``/verify`` grades the episode. Without it only the judge can
-                                       score the task. The server stores it at seed time; ``/verify`` takes no
-                                       grading fields of its own.
-    ``agent_ref``, task fields         optional: what NeMo Gym's own agents and this recipe's judge and logs read
-                                       (``tasks.task_from_nemo_gym_row`` validates them).
+A row (one JSONL line) carries ``responses_create_params.input`` (the prompt), ``initial_url`` (where the server
+opens the browser at seed time), optional ``verifier_metadata`` (how ``/verify`` grades; without it only the judge
+can score the task) and optional ``agent_ref`` and task fields.
 
-What this module owns
-    The rule for ``initial_url`` (:func:`validate_initial_url`): an http(s) URL with a host, or a path inside the
-    server's folder; never ``file:``, ``javascript:``, ``chrome:``, ``data:``, ``about:`` or another scheme (the
-    URL guard honours the start page's origin, so ``file:///index.html`` would open all of ``/`` to the policy).
-    Reading a row's JSON (:func:`parse_row_json`): ``NaN``/``Infinity``, duplicate keys and nesting deeper than
-    :data:`MAX_ROW_DEPTH` are refused, since Python's ``json`` would accept the first two silently.
-    The one rule for ``verifier_metadata`` (:func:`validate_verifier_metadata`). Data preparation, the dataset,
-    preflight and the environment client all apply it, so a row is judged the same wherever it was built. The rule
-    follows what the 0.7.0 server's ``_score`` does (pinned by ``tests/test_real_server_raw.py``):
-      * it tries the keys of :data:`VERIFIER_KEYS` in that order and grades only the first one present; a second
-        key is ignored without a word, so a row may carry exactly one;
-      * a key it does not know answers 500 at verify when alone, and is ignored when a known key is beside it;
-      * it tests presence, not value: a null value counts as present (``final_url: null`` grades ``url == None``,
-        always 0), an empty ``dom_contains``/``url_contains`` matches every page, a number in ``url_contains``
-        fails as "browser unreachable while scoring", so values must be non-empty strings;
-      * ``None`` or ``{}`` stores no spec: verify answers 500, so such a task is scored by the judge instead.
+Rules: :func:`validate_initial_url` (an http(s) URL with a host, or a path inside the server's folder; no other
+scheme), :func:`parse_row_json` (no ``NaN``/``Infinity``, duplicate keys or nesting deeper than
+:data:`MAX_ROW_DEPTH`) and :func:`validate_verifier_metadata` (exactly one key of :data:`VERIFIER_KEYS`, a non-empty
+string), which follows what the 0.7.0 server's ``_score`` does. A spec that passes is graded on the key it names and
+nothing else; null values are dropped first, so send the returned mapping, never the input.
 
-Guarantees
-    A spec that passes is graded on the key it names and nothing else. Null values are dropped before that
-    check (they mean "not set", and columnar datasets fill absent columns with them): send the returned mapping,
-    never the input, since the server would count the nulls as keys.
+Errors: :class:`RowValueError` naming what is wrong. Why each rule: ``docs/data.md#the-row-contract``.
 """
 
 from __future__ import annotations
@@ -54,8 +35,9 @@ _CONTROL_CHARACTERS = frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 
 
 class RowValueError(ValueError):
-    """A row (its JSON or a field) this recipe refuses. The message has no location: callers that read rows from a
-    file prefix their own (``file:line``)."""
+    """A row value this recipe refuses: its JSON, its start URL, or ``verifier_metadata`` the server would grade
+    wrongly or not at all. The message has no location: callers that read rows from a file add theirs
+    (``file:line``, :class:`~nemo_gym_browser.tasks.InputError`)."""
 
 
 def _refuse_constant(name: str) -> Any:
@@ -146,37 +128,32 @@ def validate_initial_url(value: Any) -> str | None:
     return value
 
 
-class VerifierMetadataError(ValueError):
-    """``verifier_metadata`` the server would grade wrongly or not at all. The message has no location: callers
-    that read rows from a file prefix their own (``file:line``)."""
-
-
 def validate_verifier_metadata(value: Any) -> dict[str, str] | None:
     """The grading spec as the server should receive it, or None for a task without one (the judge grades it).
 
     ``None``, ``{}`` and a mapping of nulls only mean no spec. Otherwise exactly one key of :data:`VERIFIER_KEYS`
-    with a non-empty string value; anything else raises :class:`VerifierMetadataError`.
+    with a non-empty string value; anything else raises :class:`RowValueError`.
     """
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise VerifierMetadataError(f"verifier_metadata must be an object, got {type(value).__name__}")
+        raise RowValueError(f"verifier_metadata must be an object, got {type(value).__name__}")
     spec = {key: val for key, val in value.items() if val is not None}
     if not spec:
         return None
     unknown = sorted(str(key) for key in spec if key not in VERIFIER_KEYS)
     if unknown:
-        raise VerifierMetadataError(
+        raise RowValueError(
             f"unknown verifier_metadata keys {unknown}: the server knows {list(VERIFIER_KEYS)}; it answers 500 at "
             "verify for an unknown key alone and ignores one next to a known key"
         )
     if len(spec) > 1:
         keys = [key for key in VERIFIER_KEYS if key in spec]
-        raise VerifierMetadataError(
+        raise RowValueError(
             f"verifier_metadata has {len(keys)} grading keys {keys}, but the server grades only one: the first "
             f"present in the order {_PRECEDENCE}, here {keys[0]!r}, ignoring the rest. Keep exactly one"
         )
     ((key, val),) = spec.items()
     if not isinstance(val, str) or not val.strip():
-        raise VerifierMetadataError(f"verifier_metadata[{key!r}] must be a non-empty string, got {val!r}")
+        raise RowValueError(f"verifier_metadata[{key!r}] must be a non-empty string, got {val!r}")
     return {key: val}

@@ -1,25 +1,16 @@
 """Every sample the loop returns carries the fields a generated sample carries, placeholders included.
 
-Why: verl decides per *chunk* which optional tensors exist, from one sample. The legacy trainer's
-``AgentLoopWorker._postprocess`` looks at ``inputs[0].response_logprobs`` / ``inputs[0].routed_experts`` and then
-concatenates that field over every sample of the chunk; the V1 trainer stores each sample's fields on its own and
-later reads ``rollout_log_probs`` for the whole batch (``_compute_old_log_prob`` -> ``calculate_debug_metrics``).
-A sample without a field its neighbours have therefore kills the step (``KeyError: rollout_log_probs``, or a
-``torch.cat`` over ``None``). The samples that lack them are exactly the infrastructure failures: a rollout whose
-every attempt failed before the model was called (the placeholder), or one whose first generation was cut before it
-returned. Both are masked, so what the fields hold does not matter, only that they are there with the right shape.
+Why: verl decides per chunk which optional tensors exist from one sample (legacy ``AgentLoopWorker._postprocess``
+reads ``inputs[0]``; V1 later reads ``rollout_log_probs`` for the whole batch), so a sample without a field its
+neighbours have kills the step (``KeyError: rollout_log_probs``, a ``torch.cat`` over ``None``). Such samples are
+the infrastructure failures (a placeholder, or a first generation cut before it returned); they are masked, so only
+the fields' presence and shape matter.
 
-The rules (:func:`complete_optional_fields`, applied to every sample by the loop):
-    * at least one response token: an empty response gets one masked padding token (verl puts the reward on the
-      last response token);
-    * ``response_logprobs``: present, one per response token, exactly when ``rollout.calculate_log_probs`` is on
-      (the rollout server returns them only when asked, so a generated sample follows the same rule); a missing or
-      short list is padded with 0.0 (masked tokens), a longer one cut;
-    * ``routed_experts`` (router replay, ``rollout.enable_rollout_routing_replay``): present on every sample; a
-      sample without them gets zeros of the shape the engine returns (tokens x MoE layers x top-k), taken from the
-      last generated sample of this process, else from the model's config (``num_hidden_layers`` x
-      ``num_experts_per_tok``).
-Teacher log-probs (distillation) are computed by verl's own post-processing for every sample, so they need nothing.
+Contract (:func:`complete_optional_fields`, on every sample): at least one response token (one masked padding
+token); ``response_logprobs`` exactly when ``rollout.calculate_log_probs`` is on, one per response token (padded with
+0.0 or cut); ``routed_experts`` under router replay on every sample, zeros of the engine's shape (from this
+process's last generated sample, else the model's config). Teacher log-probs need nothing: verl computes them for
+every sample.
 """
 
 from __future__ import annotations

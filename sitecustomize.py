@@ -1,21 +1,15 @@
 """Interpreter start-up hook: every Python process whose path holds this folder gets the recipe and its wiring.
 
 Ray workers are separate processes, so patching verl in the driver is not enough. Python imports the first
-``sitecustomize`` on ``sys.path`` at start-up; with this folder on ``PYTHONPATH`` that is this file, which
+``sitecustomize`` on ``sys.path`` at start-up; with this folder on ``PYTHONPATH`` that is this file, which (1) loads
+this folder as the ``nemo_gym_browser`` package by file path, so ``pkg://nemo_gym_browser.dataset`` and the agent
+loop's ``_target_`` resolve in every process whatever ``NEMO_GYM_BROWSER_PATCHES`` says; (2) unless
+``NEMO_GYM_BROWSER_PATCHES=0``, installs ``patches.install_on_import()`` (no torch, verl or numpy imported here);
+(3) runs the ``sitecustomize`` it shadows, if any, still reachable as ``sitecustomize.chained``.
 
-1. loads this folder as the ``nemo_gym_browser`` package by file path (its modules import each other relatively),
-   so a plain checkout on ``PYTHONPATH`` works with or without a pip install: ``pkg://nemo_gym_browser.dataset``
-   and the agent loop's ``_target_`` resolve in every process. This happens whatever ``NEMO_GYM_BROWSER_PATCHES``
-   says: that switch is about the trainer wiring, not about finding the recipe;
-2. unless ``NEMO_GYM_BROWSER_PATCHES=0``, installs ``nemo_gym_browser.patches.install_on_import()``: an import hook
-   that patches verl's trainer modules when (and if) they are imported. Nothing heavy is imported here: no torch,
-   no verl, no numpy;
-3. then runs the ``sitecustomize`` this file shadows (the next one on ``sys.path``), if any, so a site's own
-   start-up code keeps working. It stays reachable as ``sitecustomize.chained``.
-
-A failure to install is reported on stderr and does not stop the interpreter; a verl whose trainer functions are
-not where the recipe expects them fails loudly later, when those modules are imported. When the package is
-pip-installed, the ``verl.plugins`` entry point (``nemo_gym_browser.plugin``) does the same without any path setup.
+Errors: a failure to install is reported on stderr and does not stop the interpreter; a verl whose trainer functions
+moved fails loudly later, when those modules are imported. A pip install gets the same through the ``verl.plugins``
+entry point (``docs/estimator-and-wiring.md#getting-it-into-every-process``).
 """
 
 from __future__ import annotations

@@ -1,36 +1,26 @@
 """Step-wise mode: the prompt of one policy step, rebuilt from the task and a bounded history of earlier steps.
 
-Step-wise mode (``stepwise.enabled``, default off; V1 trainer only)
-    One sample per policy step instead of one per episode. Each step's prompt is rendered afresh with verl's
-    prompt builder (the tool schemas as ``ToolAgentLoop`` renders them): the task (the row's system and user
-    messages), one user message with a line per earlier step (action, arguments, result, page; the newest
-    ``history_steps`` of them, older ones only counted) and the latest ``history_observations`` steps whole (the
-    model's own turn and the tool results it read). Its response is that step's generation alone, so tokens per
-    sample do not grow with the episode. Everything else is the default mode's code: the attempt, its session,
-    deadline, hold limit, URL guard and resampling; tool calls through verl's ``_call_tool``; a ``finish`` after
-    the turn limit; verify or the judge on the final answer. The loop returns the final attempt's step samples as
-    a list, each carrying the episode's reward and flags (an invalid episode: every step masked) plus ``env_step``
-    / ``env_steps``. verl's V1 worker stores them as ``{uid}_{session}_{index}``; its GRPO (``grpo_env_aware``
-    through ``patches.py``) compares each session's final step only, one per episode, and gives every step of
-    the session that advantage, so long episodes weigh no more than short ones in the baseline. In the loss each
-    step sample counts by its tokens (verl's ``loss_agg_mode``): a 30-step episode weighs about six times a
-    5-step one, as it does in the default mode, where its single sample holds six times the policy tokens; the
-    recipe does not rescale this. The legacy trainer takes one sample per prompt: step-wise mode is refused
-    there (at construction, and in ``run`` when called without the V1 worker's ``session_id``).
+Contract: :func:`step_messages` is a step's prompt: the row's system and user messages, one user message with a
+line per earlier step (:func:`step_summary`: action, arguments, result, page; the newest ``history_steps``, older
+ones only counted) and the latest ``history_observations`` steps whole. verl's prompt builder renders it afresh each
+step, so tokens per sample do not grow with the episode. The loop runs the steps with the default mode's code and
+returns the final attempt's step samples, each with the episode's reward and flags plus ``env_step``/``env_steps``.
 
-What this module owns
-    The prompt of a step (:func:`step_messages`), the one line an earlier step is shown as (:func:`step_summary`)
-    and the messages that refuse step-wise mode where it cannot work. The loop runs the steps.
+Errors: step-wise mode needs the V1 trainer (one sample per step); this module holds the messages that refuse it
+elsewhere, at construction and in ``run`` without the V1 worker's ``session_id``. How GRPO weighs steps, and when to
+use the mode: ``docs/agent-loop.md#step-wise-mode``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from verl.experimental.agent_loop.tool_parser import FunctionCall
 
 from .environment import parse_observation
+from .episode import Step
 from .settings import StepwiseSettings
 
 LEGACY_STEPWISE_MESSAGE = (
@@ -78,11 +68,11 @@ def step_messages(
     return messages
 
 
-def step_summary(recorded: list[str], calls: list[FunctionCall], results: list[str]) -> str:
+def step_summary(recorded: Sequence[Step], calls: list[FunctionCall], results: list[str]) -> str:
     """One line for a step: what the episode recorded of its actions (else the calls themselves) and where it
     left the page."""
     if recorded:
-        line = "; ".join(recorded)
+        line = "; ".join(str(step) for step in recorded)
     else:
         line = "; ".join(
             f"{call.name}({call.arguments[:80]}) -> {result.splitlines()[0][:120] if result else ''}"

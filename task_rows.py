@@ -11,16 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .browser_calls import (
-    ACTIONS,
-    BROWSER_CLICK,
-    BROWSER_FINISH,
-    BROWSER_NAVIGATE,
-    BROWSER_OBSERVE,
-    BROWSER_TYPE,
-    SINGLE_TOOL_NAME,
-    TOOL_NAMES,
-)
+from .browser_calls import SINGLE_TOOL_NAME, TOOL_NAMES, tool_function
 from .tasks import REFERENCE_FIELDS, Task
 
 DATA_SOURCE = "webvoyager"  # the rows' data_source: verl keys validation metrics by it (val-core/<source>/...)
@@ -68,45 +59,13 @@ fully and briefly. If the task asks you to do something on the site, say what yo
 USER_PROMPT = "Task: {question}\n\nWebsite: {site}. The browser is open at {url}"
 
 
-def _function_tool(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+def _function_tool(name: str) -> dict[str, Any]:
     """A Responses-API function tool, the shape NeMo Gym rows carry in ``responses_create_params.tools``."""
-    return {
-        "type": "function",
-        "name": name,
-        "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required},
-    }
+    return {"type": "function", **tool_function(name)}
 
 
-_ELEMENT_ID = {"type": "integer", "description": "An element id from the latest observation."}
-BROWSER_TOOL_SCHEMAS = [
-    _function_tool(
-        SINGLE_TOOL_NAME,
-        "Operate the web browser: observe the page, navigate to a URL, click or type into an element, or finish "
-        "with the answer.",
-        {
-            "action": {"type": "string", "enum": list(ACTIONS)},
-            "url": {"type": "string", "description": "navigate: the URL to open."},
-            "element_id": {**_ELEMENT_ID, "description": "click, type: " + _ELEMENT_ID["description"]},
-            "text": {"type": "string", "description": "type: the text to enter."},
-            "answer": {"type": "string", "description": "finish: the answer to the task."},
-        },
-        ["action"],
-    )
-]
-NATIVE_TOOL_SCHEMAS = [
-    _function_tool(BROWSER_OBSERVE, "Show the current page: URL, title, interactive elements and text.", {}, []),
-    _function_tool(BROWSER_NAVIGATE, "Open a URL.", {"url": {"type": "string"}}, ["url"]),
-    _function_tool(BROWSER_CLICK, "Click an element.", {"element_id": _ELEMENT_ID}, ["element_id"]),
-    _function_tool(
-        BROWSER_TYPE,
-        "Type text into an element.",
-        {"element_id": _ELEMENT_ID, "text": {"type": "string"}},
-        ["element_id", "text"],
-    ),
-    _function_tool(BROWSER_FINISH, "End the task and report the answer.", {"answer": {"type": "string"}}, ["answer"]),
-]
-assert tuple(tool["name"] for tool in NATIVE_TOOL_SCHEMAS) == TOOL_NAMES
+BROWSER_TOOL_SCHEMAS = [_function_tool(SINGLE_TOOL_NAME)]
+NATIVE_TOOL_SCHEMAS = [_function_tool(name) for name in TOOL_NAMES]
 
 
 def tool_interface_of(names: Iterable[str]) -> str | None:

@@ -1,23 +1,16 @@
 """One task, whatever format it came in: a WebVoyager record, or a NeMo Gym row read back.
 
-What this module owns
-    * WebVoyager's format (``id``, ``ques``, ``web``, optional ``web_name``; extra fields are kept as
-      ``task_metadata``). Aliases of those fields (``task_id``, ``question``, ``start_url``/``initial_url``,
-      ``site``) are read when WebVoyager's own field is absent; a record that carries both uses WebVoyager's field,
-      keeps the alias as task metadata, and records the pair in ``Task.alias_conflicts`` when the two differ.
-    * The row contract that ``dataset.py`` reads back (:func:`task_from_nemo_gym_row`): a NeMo Gym row plus the
-      task fields this recipe adds (``task_id``, ``site``, ``question``, ``reference_answer``,
-      ``reference_type``, ``data_source``, ``task_metadata``). Records that carry ``responses_create_params`` are
-      such rows (:func:`parse_record`).
-    * Applying the one ``initial_url`` rule (:func:`rows.validate_initial_url`) to every task, and refusing
-      records that JSON cannot carry (``NaN``, ``Infinity``, deep nesting) before they reach an output file.
-    * Applying the one ``verifier_metadata`` rule (:func:`rows.validate_verifier_metadata`) to every task: an
-      unknown key, an empty value or several keys (the server silently grades only the first) is refused with
-      the record's location, not found as a 500 or a wrong reward at verify time, long after the data was made.
-    * WebVoyager's ``reference_answer.json`` (:func:`load_reference_answers`), keyed like its task ids.
+Contract: :class:`Task` from WebVoyager's format (``id``, ``ques``, ``web``, optional ``web_name``; extra fields kept
+as ``task_metadata``; the aliases ``task_id``, ``question``, ``start_url``/``initial_url`` and ``site`` read when
+WebVoyager's field is absent, a differing pair recorded in ``Task.alias_conflicts``), or from a NeMo Gym row with the
+task fields this recipe adds (:func:`task_from_nemo_gym_row`; :func:`parse_record` tells the two apart), and
+WebVoyager's ``reference_answer.json`` (:func:`load_reference_answers`). Every task passes the one ``initial_url`` and
+``verifier_metadata`` rules of :mod:`~nemo_gym_browser.rows`, so a bad spec is refused with its location, not found
+as a 500 or a wrong reward at verify time; records JSON cannot carry (``NaN``, ``Infinity``, deep nesting) are
+refused before they reach an output file.
 
-Guarantees
-    Every refusal is an :class:`InputError` naming the record's location (``file:line`` or a dataset record).
+Errors: every refusal is an :class:`InputError` (a ``ValueError``) naming the record's location (``file:line`` or a
+dataset record). The format in full: ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +28,6 @@ from urllib.parse import urlsplit
 from .rows import (
     MAX_ROW_DEPTH,
     RowValueError,
-    VerifierMetadataError,
     json_depth_exceeds,
     validate_initial_url,
     validate_verifier_metadata,
@@ -53,7 +45,7 @@ SITE_FIELDS = ("web_name", "site")
 REFERENCE_FIELDS = ("reference_answer", "reference_type")
 
 
-class InputError(Exception):
+class InputError(ValueError):
     """Input the command cannot use. ``location`` is ``file:line``, a dataset record, or the file alone."""
 
     def __init__(self, location: str | None, message: str):
@@ -120,7 +112,7 @@ def _verifier_metadata(value: Any, location: str) -> dict[str, str] | None:
     """The row's grading spec under the one rule (:func:`rows.validate_verifier_metadata`), located on refusal."""
     try:
         return validate_verifier_metadata(value)
-    except VerifierMetadataError as exc:
+    except RowValueError as exc:
         raise InputError(location, str(exc)) from exc
 
 

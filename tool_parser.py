@@ -2,7 +2,7 @@
 
 What this module owns
     :class:`LenientHermesToolParser`, which the agent loop uses in place of verl's ``hermes`` parser
-    (``browser_agent_loop.LENIENT_TOOL_CALL_PARSING``). Stateless; one instance per loop object.
+    whenever the tool format is ``hermes``. Stateless; one instance per loop object.
 """
 
 from __future__ import annotations

@@ -1,57 +1,16 @@
-"""What the verl functions :mod:`patches` wraps do differently: route flagged batches to ``grpo_env_aware`` and
-add the ``env/*`` step metrics. Every other call reaches verl's own function with the very same arguments.
+"""What the verl functions :mod:`patches` wraps do differently: route flagged batches to ``grpo_env_aware`` and add
+the ``env/*`` step metrics. Every other call reaches verl's own function with the very same arguments.
 
-Routing rule
-    Flags count when at least one sample carries ``env_invalid``; a sample without it (another agent loop) counts as
-    valid for the advantage and is left out of the ``env/*`` metrics (which are not reported at all without flags).
-    Estimator ``grpo`` with no flag anywhere: forwarded untouched (stock GRPO). Estimator ``grpo_env_aware``: always
-    the env-aware computation, with V1's session handling. Any other estimator: forwarded untouched; if the batch
-    carries flags, one warning per process says they are ignored. Cost for an unflagged V1 run: one extra
-    TransferQueue read of ``extra_fields`` per step for the metrics, plus one per ``_compute_advantage`` call under
-    ``grpo`` (the results stay bit-identical).
+Routing: flags count when at least one sample carries ``env_invalid`` (a sample without it counts as valid and is
+left out of the metrics). ``grpo`` with no flag anywhere is forwarded untouched; ``grpo_env_aware`` is always the
+env-aware computation, with V1's session handling; any other estimator is forwarded untouched, with one warning per
+process when the batch carries flags. The flags come from ``non_tensor_batch`` (legacy trainer) or from the
+TransferQueue field ``extra_fields`` (V1), exposed only for the duration of verl's own method.
 
-Where the flags come from
-    - Legacy trainer: its agent-loop manager turns every ``extra_fields`` key into a ``non_tensor_batch`` column, so
-      the ``compute_advantage`` wrapper finds ``env_invalid`` there and gives a flagged batch its ``advantages`` and
-      ``returns`` from ``grpo_env_aware``.
-    - V1 trainer: the ``PPOTrainer._compute_advantage`` wrapper fetches the one TransferQueue field ``extra_fields``
-      (``AgentLoopWorkerTQ`` stores each sample's whole ``AgentLoopOutput.extra_fields`` dict there) and exposes its
-      ``env_invalid`` values for the duration of verl's own method, which otherwise runs unchanged (KL in reward,
-      rollout correction, write-back). The ``compute_advantage_for_multi_trajectories`` wrapper puts those flags into
-      ``non_tensor_batch`` and runs verl's session handling under ``grpo`` (verl applies it to no other estimator
-      name), so multi-output sessions keep working; each session is judged by its final output's flag, like its
-      reward. The V1 wrapper also reports ``grpo_env_aware/invalid_fraction`` (over episodes, padding left out) and,
-      when ``NEMO_GYM_BROWSER_ADVANTAGE_LOG`` names a file, appends one JSON line per call with every real sample's
-      group, flag, score and advantage.
-
-Step metrics (the ``env/*`` keys of :mod:`episode_metrics`)
-    verl 0.9.1 has no hook that turns a per-sample field into a *training* metric. ``reward_extra_info`` reaches the
-    validation metrics only (``_validate``); in training the legacy trainer merely copies it into
-    ``non_tensor_batch`` (for ``rollout_data_dir`` dumps) and V1 stores it in TransferQueue unread. ``AgentLoopOutput.
-    metrics`` is a closed model of four timings that only the legacy manager averages (``timing_s/agent_loop/*``),
-    and the one per-sample column verl does average (``algorithm.gdpo_reward_keys``) is read for ``gdpo`` alone. So
-    the metrics are added where each trainer builds its step's data metrics, from the batch it builds them from:
-
-    - ``ray_trainer.compute_data_metrics`` (legacy; ``RayPPOTrainer.fit`` calls this module attribute once per step
-      with the step's final batch): its result gains :func:`episode_metrics.metrics_from_columns` of the batch's
-      ``non_tensor_batch``, where verl's agent-loop manager put one column per ``extra_fields`` key.
-    - ``PPOTrainer._compute_metrics`` (V1, all three modes inherit it; ``fit`` calls it once per step with the whole
-      step's batch, after the ``parameter_sync_step`` iterations were aggregated): the ``metrics`` dict gains
-      :func:`episode_metrics.episode_metrics` of the samples' TransferQueue ``extra_fields`` dicts, without the
-      synthetic padding samples verl appends (tagged ``is_padding``; they copy a real sample's fields).
-
-    Both are logged with verl's own metrics by verl's ``Tracking`` logger, every step, under the same keys; both
-    also feed :mod:`exclusion_watch` (its warning when the share kept out of the baseline keeps rising).
-
-    Rollouts the drop switch removed never reach TransferQueue, so V1's metrics also take them from the run's
-    ledger (:mod:`dropped_rollouts`): the drops of every prompt group that is no longer waiting in TransferQueue's
-    ``train`` partition (the replay buffer removed it: sampled into this step's batch, or evicted), counted as the
-    invalid samples they were, plus ``env/dropped_count``. Validation's groups are taken first by
-    ``PPOTrainer._val_metrics_update`` (it gets every validation group's uid), which adds
-    ``val-aux/env/dropped_count`` and ``val-aux/env/dropped_rate``; verl's own validation averages see the kept
-    rollouts only. The legacy trainer cannot drop, so it has nothing to take.
-
-Importing this module imports neither torch nor verl; the wrappers import what they need when called.
+The metrics are added where each trainer builds its step's data metrics (verl 0.9.1 has no hook that turns a
+per-sample field into a training metric); V1 also counts the drop switch's rollouts from
+:mod:`dropped_rollouts`. Importing this module imports neither torch nor verl. In full:
+``docs/estimator-and-wiring.md``.
 """
 
 from __future__ import annotations
@@ -65,12 +24,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .sample_flags import INVALID_INFO_KEY, INVALID_KEY, SampleFlags
 from .wiring import (
     ADVANTAGE_LOG_ENV,
     CORE_ALGOS,
     ESTIMATOR_NAME,
     EXTRA_FIELDS_KEY,
-    FLAG_KEY,
     INVALID_FRACTION_METRIC,
     PADDING_TAG,
     RAY_TRAINER,
@@ -79,7 +38,6 @@ from .wiring import (
 
 logger = logging.getLogger(__name__)
 
-_warned: set[str] = set()
 # Flags fetched by the V1 _compute_advantage wrapper, read by the multi-trajectory wrapper it calls.
 _v1_flags: contextvars.ContextVar[Any] = contextvars.ContextVar("nemo_gym_browser_v1_flags", default=None)
 
@@ -104,30 +62,31 @@ def flags_from_values(values: Any) -> Any:
     return array.astype(bool).reshape(-1)
 
 
-def _warn_ignored_once(adv_estimator: Any) -> None:
-    key = _estimator_name(adv_estimator)
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(
-            "nemo_gym_browser: batch carries %s but estimator %s is not grpo/%s; flags ignored",
-            FLAG_KEY,
-            _estimator_name(adv_estimator),
-            ESTIMATOR_NAME,
-        )
-
-
 def make_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
+    # Estimators already warned about; the wrapper is installed once per process, so the warning is said once.
+    warned: set[str] = set()
+
+    def warn_ignored_once(adv_estimator: Any) -> None:
+        name = _estimator_name(adv_estimator)
+        if name not in warned:
+            warned.add(name)
+            logger.warning(
+                "nemo_gym_browser: batch carries %s but estimator %s is not grpo/%s; flags ignored",
+                INVALID_KEY,
+                name,
+                ESTIMATOR_NAME,
+            )
 
     @functools.wraps(original)
     def compute_advantage(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         data, adv_estimator = bound.arguments["data"], bound.arguments["adv_estimator"]
-        column = data.non_tensor_batch.get(FLAG_KEY) if data.non_tensor_batch else None
+        column = data.non_tensor_batch.get(INVALID_KEY) if data.non_tensor_batch else None
         flags = flags_from_values(column) if column is not None else None
         if flags is None or not _is_grpo_family(adv_estimator):
             if flags is not None:
-                _warn_ignored_once(adv_estimator)
+                warn_ignored_once(adv_estimator)
             return original(*args, **kwargs)
         bound.apply_defaults()
         return _env_aware_advantage(
@@ -171,8 +130,8 @@ def make_multi_trajectories_wrapper(original: Callable[..., Any]) -> Callable[..
         if flags is None:
             flags = np.zeros(len(data), dtype=bool)
         if len(flags) != len(data):
-            raise PatchError(f"{len(flags)} env_invalid flags for a batch of {len(data)} samples")
-        data.non_tensor_batch[FLAG_KEY] = flags
+            raise PatchError(f"{len(flags)} {INVALID_KEY} flags for a batch of {len(data)} samples")
+        data.non_tensor_batch[INVALID_KEY] = flags
         # verl's session handling runs only for "grpo"; the wrapped compute_advantage it calls sees the flags.
         bound.arguments["adv_estimator"] = sys.modules[CORE_ALGOS].AdvantageEstimator.GRPO
         return original(*bound.args, **bound.kwargs)
@@ -201,11 +160,9 @@ def make_v1_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable[
             _v1_flags.reset(token)
         metrics = bound.arguments["metrics"]
         if flags is not None and isinstance(metrics, dict):
-            from .episode_metrics import is_episode_row
-
             real = [not tag.get(PADDING_TAG, False) for tag in batch.tags] if batch.tags else [True] * len(flags)
             # over episodes: a step-wise episode's earlier step samples repeat its final step's flag
-            episodes = [row is None or is_episode_row(row) for row in rows]
+            episodes = [_stands_for_episode(row) for row in rows]
             counted = [flag for flag, keep, ep in zip(flags.tolist(), real, episodes, strict=True) if keep and ep]
             metrics[INVALID_FRACTION_METRIC] = sum(counted) / len(counted) if counted else 0.0
         log_path = os.environ.get(ADVANTAGE_LOG_ENV)
@@ -241,7 +198,7 @@ def _append_advantage_log(path: str, step: Any, batch: Any, flags: Any) -> None:
             {
                 "key": key,
                 "uid": str(uid),
-                "env_invalid": None if flags is None else bool(flags[index]),
+                INVALID_KEY: None if flags is None else bool(flags[index]),
                 "score": float(scores.sum()),
                 "advantage": float(advantages[kept][0]) if kept.any() else 0.0,
                 "response_tokens": int(kept.sum()),
@@ -268,12 +225,17 @@ def _fetch_v1_extra_fields(batch: Any) -> list[dict[str, Any] | None] | None:
     return rows
 
 
+def _stands_for_episode(row: dict[str, Any] | None) -> bool:
+    flags = SampleFlags.from_extra_fields(row)
+    return flags is None or flags.stands_for_episode
+
+
 def _flags_of_rows(rows: list[dict[str, Any] | None]) -> Any:
     """``env_invalid`` of every sample of a V1 batch from its ``extra_fields`` dicts; None if no sample has it."""
     import numpy as np
 
     array = np.empty(len(rows), dtype=object)
-    array[:] = [row.get(FLAG_KEY) if row is not None else None for row in rows]
+    array[:] = [row.get(INVALID_KEY) if row is not None else None for row in rows]
     return flags_from_values(array)
 
 
@@ -370,7 +332,7 @@ def _leave_out_invalid_samples(arguments: dict[str, Any]) -> int | None:
     flag (another recipe's validation, passed through untouched).
     """
     infos = arguments.get("reward_extra_infos_dict") or {}
-    flags = infos.get("env/invalid")
+    flags = infos.get(INVALID_INFO_KEY)
     size = len(arguments.get("sample_uids") or ())
     if flags is None or len(flags) != size:
         return None

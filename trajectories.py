@@ -1,54 +1,49 @@
 """Trajectories a person can read: one JSONL record per episode, written while training.
 
-What this module owns
-    * The record of one rollout (:func:`episode_record`), written by ``BrowserToolAgentLoop.run`` when the setting
-      ``trajectory_dir`` is set (null: nothing is written): the task (id, question, start URL), the final attempt's
-      steps (action, arguments, result, when), its final answer and last page, the per-sample flags, the reward,
-      the kinds of the failed attempts before it, the model's last turn (decoded), and verl's ``uid`` /
-      ``session_id`` / ``global_steps`` when the V1 trainer passed them. The steps are the lines ``BrowserEpisode``
-      already keeps for the judge (``steps``), split into their parts, never a second recording; :class:`StepLines`
-      notes when each line was added.
-    * Where records go (:func:`write_record`): ``<trajectory_dir>/step-<global_steps>/<host>-<pid>.jsonl``, one file
-      per training step and worker process, one ``os.write`` of one whole line per episode on a file opened with
-      ``O_APPEND``: records of concurrent rollouts never interleave, and no two processes share a file. A failure
-      to write is logged once per folder and never fails the rollout.
+Contract: :func:`episode_record` is the record of one rollout, written by ``BrowserToolAgentLoop.run`` when the
+setting ``trajectory_dir`` is set: the task, the final attempt's steps (each ``Step``'s fields: action, arguments
+as an object, outcome, detail, ``at_s``; :data:`RECORD_VERSION` 2, and records of version 1 still render), its answer
+and last page, the flags, the reward, the kinds of earlier failed attempts, the model's last turn, and verl's
+``uid``/``session_id``/``global_steps``.
+:func:`write_record` appends it to ``<trajectory_dir>/step-<global_steps>/<host>-<pid>.jsonl`` with one ``os.write``
+of one whole line (``O_APPEND``): concurrent records never interleave and no two processes share a file.
 
-What a record never holds
-    * Secrets. The judge's key lives in the judge's config and never reaches an episode; no credential of the
-      writing process (``credentials.secret_values``) appears in a line. URLs (the start URL, the last page, URLs
-      inside steps, answers, page text and failure reasons) may carry credentials: their user-info is removed and
-      the values of parameters whose name looks like a credential (``token``, ``key``, ``secret``, ``password``,
-      ``auth``, ``session``, ``sig`` ...) are replaced by ``REDACTED``, in the query, the fragment and ``;``
-      parameters alike; other parameters (a search query) are kept, because a reader needs them to follow the
-      episode. Folders are created 0700 and files 0600: only the run's user reads them.
-    * Unbounded text: arguments, results, the final answer and the page text are cut to fixed lengths.
-    * Rollouts the drop switch removed (``NEMO_GYM_BROWSER_DROP_INVALID=1``): the loop returns before writing;
-      the run's ledger of dropped rollouts counts them.
-
-``python -m nemo_gym_browser.trajectories DIR --html out.html`` renders the records as a page
-(:mod:`trajectory_page`).
+Guarantees: no secret (credentials of the process never appear; URL user-info and credential-like parameter values
+become ``REDACTED``), bounded text, folders 0700 and files 0600; rollouts the drop switch removed are not written.
+A failure to write is logged once per folder and never fails the rollout. ``python -m nemo_gym_browser.trajectories
+DIR --html out.html`` renders the records (:mod:`trajectory_page`). In full: ``docs/trajectories.md``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .credentials import redact, secret_values
 from .environment import parse_observation
+from .episode import Step
+from .sample_flags import (
+    DEADLINE_HIT_KEY,
+    FAILURE_KIND_KEY,
+    FAILURE_REASON_KEY,
+    INVALID_KEY,
+    REWARD_SOURCE_KEY,
+    SampleFlags,
+)
 from .text import shorten
 
 logger = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: a step's arguments as the browser got them, its outcome and detail (1: one text each)
 STEP_DIR_PREFIX = "step-"
 UNKNOWN_STEP_DIR = "step-none"  # rollouts outside a trainer (rehearsal, tests)
 # Bounds that keep one record a few kilobytes whatever the policy writes.
@@ -58,6 +53,8 @@ ANSWER_CHARS = 2000
 PAGE_TEXT_CHARS = 600
 REASON_CHARS = 500
 MAX_STEPS = 200  # a record keeps the first steps beyond this many (a turn limit is far below)
+MAX_ARGUMENTS = 20  # entries kept of each mapping or list in a step's arguments (an invalid call's are the policy's)
+MAX_ARGUMENT_DEPTH = 3  # nesting kept of a step's arguments; deeper values are written as their text
 REDACTED = "REDACTED"
 RECORD_DIR_MODE = 0o700
 RECORD_FILE_MODE = 0o600
@@ -69,24 +66,9 @@ _SECRET_PARAMETER = re.compile(
 _QUERY_PARAMETER = re.compile(r"(?P<lead>[?&;#/])(?P<name>[^=?&;#/]+)=(?P<value>[^&;#]*)")
 _PATH_PARAMETER = re.compile(r"(?P<lead>;)(?P<name>[^=?&;#/]+)=(?P<value>[^;/?#]*)")
 _URL = re.compile(r"\b[a-z][a-z0-9+.\-]*://[^\s'\"<>]+", re.IGNORECASE)  # any scheme: file: and ftp: URLs too
-# A step line of BrowserEpisode: "click(element_id=3) -> ok", "navigate(url='...') -> refused", "x: invalid call (...)".
-_STEP_LINE = re.compile(r"^(?P<action>\w+)\((?P<arguments>.*?)\) -> (?P<result>.*)$", re.DOTALL)
-_INVALID_LINE = re.compile(r"^(?P<action>[\w.-]+): (?P<result>invalid call .*)$", re.DOTALL)
 
 
 # ----- writing ------------------------------------------------------------------------------------------------
-
-
-class StepLines(list):
-    """``BrowserEpisode.steps``: the step lines, plus the monotonic time each was added (``times``)."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.times: list[float] = [time.monotonic()] * len(self)
-
-    def append(self, line: Any) -> None:
-        super().append(line)
-        self.times.append(time.monotonic())
 
 
 def _cut(text: Any, limit: int) -> str | None:
@@ -128,35 +110,35 @@ def redact_text(text: str | None) -> str | None:
     return _URL.sub(lambda match: redact_url(match.group(0)), text)
 
 
-def split_step_line(line: str) -> dict[str, Any]:
-    """``{"action", "arguments", "result"}`` of one of ``BrowserEpisode``'s step lines (the whole line as result
-    when its shape is unknown)."""
-    line = str(line)
-    match = _STEP_LINE.match(line) or _INVALID_LINE.match(line)
-    if match is None:
-        return {"action": None, "arguments": None, "result": _cut(redact_text(line), RESULT_CHARS)}
-    parts = match.groupdict()
+def _argument_value(value: Any, depth: int = 0) -> Any:
+    """A step's argument as JSON, bounded and with credentials redacted (an invalid call's may be anything)."""
+    if isinstance(value, str):
+        return _cut(redact_text(value), ARGUMENT_CHARS)
+    if value is None or isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    if depth < MAX_ARGUMENT_DEPTH and isinstance(value, Mapping):
+        items = list(value.items())[:MAX_ARGUMENTS]
+        return {_cut(redact_text(str(key)), ARGUMENT_CHARS): _argument_value(item, depth + 1) for key, item in items}
+    if depth < MAX_ARGUMENT_DEPTH and isinstance(value, (list, tuple)):
+        return [_argument_value(item, depth + 1) for item in value[:MAX_ARGUMENTS]]
+    return _cut(redact_text(str(value)), ARGUMENT_CHARS)
+
+
+def step_record(index: int, step: Step) -> dict[str, Any]:
+    """One step of a record: its fields, the arguments as the browser got them (bounded, redacted)."""
     return {
-        "action": parts["action"],
-        "arguments": _cut(redact_text(parts.get("arguments")), ARGUMENT_CHARS),
-        "result": _cut(redact_text(parts["result"]), RESULT_CHARS),
+        "index": index,
+        "action": step.action,
+        "arguments": _argument_value(dict(step.arguments)),
+        "outcome": str(step.outcome),
+        "detail": _cut(redact_text(step.detail), RESULT_CHARS),
+        # When the step's result came back, in seconds since the session was opened (generation included).
+        "at_s": round(step.elapsed_s, 3),
     }
 
 
-def _steps_of(episode: Any) -> list[dict[str, Any]]:
-    if episode is None:
-        return []
-    lines = list(getattr(episode, "steps", []) or [])[:MAX_STEPS]
-    times = getattr(getattr(episode, "steps", None), "times", None)
-    started = getattr(episode, "started", None)
-    steps = []
-    for index, line in enumerate(lines):
-        step = {"index": index, **split_step_line(line)}
-        if times is not None and started is not None and index < len(times):
-            # When the step's result came back, in seconds since the session was opened (generation included).
-            step["at_s"] = round(times[index] - started, 3)
-        steps.append(step)
-    return steps
+def _steps_of(steps: Sequence[Step]) -> list[dict[str, Any]]:
+    return [step_record(index, step) for index, step in enumerate(steps[:MAX_STEPS])]
 
 
 def _last_page(episode: Any) -> dict[str, Any] | None:
@@ -209,19 +191,19 @@ def episode_record(
     spec: Any,
     run_kwargs: Mapping[str, Any],
     episode: Any,
+    flags: SampleFlags,
     output: Any,
     tokenizer: Any = None,
 ) -> dict[str, Any]:
-    """The JSON-ready record of one finished rollout (``output`` carries the flags in ``extra_fields``)."""
-    extra = dict(getattr(output, "extra_fields", None) or {})
+    """The JSON-ready record of one finished rollout with the flags its samples carry (``output``: the final one)."""
     metrics = getattr(output, "metrics", None)
-    flags = {
-        "env_invalid": bool(extra.get("env_invalid", False)),
-        "env_failure_kind": extra.get("env_failure_kind"),
-        "env_failure_reason": _cut(redact_text(extra.get("env_failure_reason")), REASON_CHARS),
-        "attempts": extra.get("env_attempts"),
-        "deadline_hit": bool(extra.get("deadline_hit", False)),
-        "reward_source": extra.get("reward_source"),
+    shown_flags = {
+        INVALID_KEY: flags.invalid,
+        FAILURE_KIND_KEY: flags.failure_kind,
+        FAILURE_REASON_KEY: _cut(redact_text(flags.failure_reason), REASON_CHARS),
+        "attempts": flags.attempts,
+        DEADLINE_HIT_KEY: flags.deadline_hit,
+        REWARD_SOURCE_KEY: flags.reward_source,
     }
     reward = getattr(output, "reward_score", None)
     return {
@@ -235,14 +217,14 @@ def episode_record(
         "session_id": _plain_scalar(run_kwargs.get("session_id")),
         "index": _plain_scalar(run_kwargs.get("index")),
         "reward": float(reward) if reward is not None else None,
-        "flags": flags,
-        "failed_attempt_kinds": list(extra.get("env_failed_attempt_kinds") or []),
-        "steps": _steps_of(episode),
+        "flags": shown_flags,
+        "failed_attempt_kinds": list(flags.failed_attempt_kinds),
+        "steps": _steps_of(episode.steps) if episode is not None else [],
         "final_answer": _cut(redact_text(getattr(episode, "final_answer", None)), ANSWER_CHARS) if episode else None,
         "last_page": _last_page(episode),
         "last_model_turn": _last_model_turn(output, tokenizer),
         "timing": {
-            "episode_wall_s": extra.get("env_episode_wall_s"),
+            "episode_wall_s": flags.episode_wall_s,
             "generate_s": round(float(getattr(metrics, "generate_sequences", 0.0) or 0.0), 4),
             "tool_calls_s": round(float(getattr(metrics, "tool_calls", 0.0) or 0.0), 4),
             "model_s": round(episode.model_s, 4) if episode is not None else None,
@@ -285,23 +267,13 @@ def write_record(trajectory_dir: str | os.PathLike[str], record: Mapping[str, An
     return path
 
 
-def write_episode(
-    trajectory_dir: str | os.PathLike[str],
-    *,
-    episode_id: str,
-    spec: Any,
-    run_kwargs: Mapping[str, Any],
-    episode: Any,
-    output: Any,
-    tokenizer: Any = None,
-) -> Path | None:
-    """Build and append the record of one rollout (what ``BrowserToolAgentLoop.run`` calls)."""
+def write_episode(trajectory_dir: str | os.PathLike[str], **fields: Any) -> Path | None:
+    """Build the record of one rollout (``fields``: the keywords of :func:`episode_record`) and append it; what
+    ``BrowserToolAgentLoop.run`` calls."""
     try:
-        record = episode_record(
-            episode_id=episode_id, spec=spec, run_kwargs=run_kwargs, episode=episode, output=output, tokenizer=tokenizer
-        )
+        record = episode_record(**fields)
     except Exception:  # a record is for reading; it must never cost the rollout
-        logger.exception("episode %s: could not build its trajectory record", episode_id)
+        logger.exception("episode %s: could not build its trajectory record", fields.get("episode_id"))
         return None
     return write_record(trajectory_dir, record)
 

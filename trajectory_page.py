@@ -14,6 +14,7 @@ import argparse
 import base64
 import hashlib
 import html
+import json
 import math
 import os
 import sys
@@ -25,16 +26,14 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .rows import RowValueError, parse_row_json
+from .sample_flags import DEADLINE_HIT_KEY, FAILURE_KIND_KEY, FAILURE_REASON_KEY, INVALID_KEY, REWARD_SOURCE_KEY
+from .tasks import InputError
 
 # verl's GRPO: a group of one has mean 0 and std 1; std is the unbiased one; eps as in verl.
 GRPO_EPS = 1e-6
 
 
 # ----- reading ------------------------------------------------------------------------------------------------
-
-
-class PageInputError(Exception):
-    """A folder, record or advantage log the page cannot be built from (exit status 2)."""
 
 
 Scalar = StrictStr | StrictInt | StrictFloat | StrictBool | None
@@ -47,18 +46,20 @@ class _Shape(BaseModel):
 
 class _StepShape(_Shape):
     action: Scalar = None
-    arguments: Scalar = None
-    result: Scalar = None
+    arguments: Scalar | dict[str, Any] = None  # record version 1: one text; 2: the arguments the browser got
+    result: Scalar = None  # version 1 only; version 2 writes outcome and detail
+    outcome: Scalar = None
+    detail: Scalar = None
     at_s: Number | None = None
 
 
 class _FlagsShape(_Shape):
-    env_invalid: StrictBool | None = None
-    env_failure_kind: Scalar = None
-    env_failure_reason: Scalar = None
+    invalid: StrictBool | None = Field(None, alias=INVALID_KEY)
+    failure_kind: Scalar = Field(None, alias=FAILURE_KIND_KEY)
+    failure_reason: Scalar = Field(None, alias=FAILURE_REASON_KEY)
     attempts: Scalar = None
-    deadline_hit: StrictBool | None = None
-    reward_source: Scalar = None
+    deadline_hit: StrictBool | None = Field(None, alias=DEADLINE_HIT_KEY)
+    reward_source: Scalar = Field(None, alias=REWARD_SOURCE_KEY)
 
 
 class _PageShape(_Shape):
@@ -94,40 +95,40 @@ def _first_problem(exc: ValidationError) -> str:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line number, value)`` of each non-blank line; a line that is not strict JSON raises PageInputError there."""
+    """``(line number, value)`` of each non-blank line; a line that is not strict JSON raises InputError there."""
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise PageInputError(f"{path}:{number}: not valid UTF-8 ({exc.reason})") from None
+                raise InputError(f"{path}:{number}", f"not valid UTF-8 ({exc.reason})") from None
             if not line.strip():
                 continue
             try:
                 yield number, parse_row_json(line)
             except RowValueError as exc:
-                raise PageInputError(f"{path}:{number}: not a JSON line ({exc})") from None
+                raise InputError(f"{path}:{number}", f"not a JSON line ({exc})") from None
 
 
 def load_records(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every record under ``folder`` (``step-*/*.jsonl``, any depth), in file and line order; a record the page
-    cannot show raises :class:`PageInputError` naming its file and line."""
+    cannot show raises :class:`~nemo_gym_browser.tasks.InputError` naming its file and line."""
     root = Path(folder)
     if not root.is_dir():
-        raise PageInputError(f"{root}: not a folder (expected the trajectory_dir of a run)")
+        raise InputError(str(root), "not a folder (expected the trajectory_dir of a run)")
     records = []
     for path in sorted(root.rglob("*.jsonl")):
         for number, record in _json_lines(path):
             if not isinstance(record, dict) or "episode_id" not in record or "flags" not in record:
-                raise PageInputError(f"{path}:{number}: not a trajectory record (no episode_id or flags)")
+                raise InputError(f"{path}:{number}", "not a trajectory record (no episode_id or flags)")
             try:
                 _RecordShape.model_validate(record)
             except ValidationError as exc:
                 problem = _first_problem(exc)
-                raise PageInputError(f"{path}:{number}: not a trajectory record the page can show: {problem}") from None
+                raise InputError(f"{path}:{number}", f"not a trajectory record the page can show: {problem}") from None
             records.append(record)
     if not records:
-        raise PageInputError(f"{root}: no trajectory records (*.jsonl) found; was trajectory_dir set for the run?")
+        raise InputError(str(root), "no trajectory records (*.jsonl) found; was trajectory_dir set for the run?")
     return records
 
 
@@ -149,7 +150,7 @@ def load_advantage_log(path: str | os.PathLike[str]) -> dict[str, LoggedAdvantag
     """
     log = Path(path)
     if not log.is_file():
-        raise PageInputError(f"{log}: no such advantage log (written when NEMO_GYM_BROWSER_ADVANTAGE_LOG is set)")
+        raise InputError(str(log), "no such advantage log (written when NEMO_GYM_BROWSER_ADVANTAGE_LOG is set)")
     finals: dict[str, tuple[int, dict[str, Any]]] = {}
     counts: dict[str, int] = {}
     for number, entry in _json_lines(log):
@@ -163,15 +164,16 @@ def load_advantage_log(path: str | os.PathLike[str]) -> dict[str, LoggedAdvantag
                 if session_key not in finals or position >= finals[session_key][0]:
                     finals[session_key] = (position, sample)
         except (KeyError, TypeError, ValueError) as exc:
-            raise PageInputError(
-                f"{log}:{number}: not an advantage-log line ({{'step', 'samples': [{{'key', 'advantage', "
-                f"'score', ...}}]}}): {type(exc).__name__}: {exc}"
+            raise InputError(
+                f"{log}:{number}",
+                f"not an advantage-log line ({{'step', 'samples': [{{'key', 'advantage', "
+                f"'score', ...}}]}}): {type(exc).__name__}: {exc}",
             ) from None
     return {
         key: LoggedAdvantage(
             advantage=float(sample["advantage"]),
             score=float(sample["score"]),
-            env_invalid=sample.get("env_invalid"),
+            env_invalid=sample.get(INVALID_KEY),
             samples=counts[key],
         )
         for key, (_, sample) in finals.items()
@@ -308,29 +310,41 @@ def _signed(value: float | None) -> tuple[str, str]:
     return shown, "pos" if value > 5e-4 else "neg" if value < -5e-4 else "zero"
 
 
+def _shown_arguments(arguments: Any) -> str:
+    if isinstance(arguments, Mapping):
+        return ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in arguments.items())
+    return str(arguments)
+
+
+def _shown_result(step: Mapping[str, Any]) -> str | None:
+    if "outcome" not in step:
+        return step.get("result")  # a record of version 1
+    return f"{step['outcome']}: {step['detail']}" if step.get("detail") else step.get("outcome")
+
+
 def _episode_html(episode: Episode) -> str:
     record = episode.record
     flags = record.get("flags") or {}
     reward = float(record.get("reward") or 0.0)
-    kind = "invalid" if flags.get("env_invalid") else "reward-pos" if reward > 0 else "reward-zero"
+    kind = "invalid" if flags.get(INVALID_KEY) else "reward-pos" if reward > 0 else "reward-zero"
     recipe_text, recipe_class = _signed(episode.recipe.advantage if episode.recipe else None)
     stock_text, stock_class = _signed(episode.stock_advantage)
     tags = []
-    if flags.get("env_invalid"):
-        tags.append(f'<span class="tag bad">invalid: {_e(flags.get("env_failure_kind"))}</span>')
+    if flags.get(INVALID_KEY):
+        tags.append(f'<span class="tag bad">invalid: {_e(flags.get(FAILURE_KIND_KEY))}</span>')
     else:
-        tags.append(f'<span class="tag ok">scored by {_e(flags.get("reward_source") or "nothing")}</span>')
+        tags.append(f'<span class="tag ok">scored by {_e(flags.get(REWARD_SOURCE_KEY) or "nothing")}</span>')
     tags.append(f'<span class="tag">attempts {_e(flags.get("attempts"))}</span>')
-    if flags.get("deadline_hit"):
+    if flags.get(DEADLINE_HIT_KEY):
         tags.append('<span class="tag bad">deadline hit</span>')
     for failed in record.get("failed_attempt_kinds") or []:
         tags.append(f'<span class="tag">failed attempt: {_e(failed)}</span>')
     steps = []
     for step in record.get("steps") or []:
         when = f' <span class="when">{step["at_s"]:.1f} s</span>' if isinstance(step.get("at_s"), (int, float)) else ""
-        arguments = f"(<code>{_e(step.get('arguments'))}</code>)" if step.get("arguments") else ""
+        arguments = f"(<code>{_e(_shown_arguments(step.get('arguments')))}</code>)" if step.get("arguments") else ""
         steps.append(
-            f'<li><span class="action">{_e(step.get("action") or "?")}</span>{arguments} → {_e(step.get("result"))}'
+            f'<li><span class="action">{_e(step.get("action") or "?")}</span>{arguments} → {_e(_shown_result(step))}'
             f"{when}</li>"
         )
     page = record.get("last_page") or {}
@@ -350,8 +364,8 @@ def _episode_html(episode: Episode) -> str:
         f'<tr><th>stock GRPO</th><td class="adv-stock {stock_class}">{_e(stock_text)}</td></tr>',
         "</table>",
     ]
-    if flags.get("env_failure_reason"):
-        parts.append(f'<p class="reason">reason: {_e(flags["env_failure_reason"])}</p>')
+    if flags.get(FAILURE_REASON_KEY):
+        parts.append(f'<p class="reason">reason: {_e(flags[FAILURE_REASON_KEY])}</p>')
     parts.append(f'<ol class="steps">{"".join(steps)}</ol>' if steps else '<p class="reason">no browser steps</p>')
     if record.get("final_answer") is not None:
         parts.append(f'<p class="answer">answer: <code>{_e(record["final_answer"])}</code></p>')
@@ -365,7 +379,7 @@ def _episode_html(episode: Episode) -> str:
 
 def _group_html(group: Group) -> str:
     first = group.episodes[0].record
-    valid = sum(1 for episode in group.episodes if not (episode.record.get("flags") or {}).get("env_invalid"))
+    valid = sum(1 for episode in group.episodes if not (episode.record.get("flags") or {}).get(INVALID_KEY))
     rewards = [float(episode.record.get("reward") or 0.0) for episode in group.episodes]
     return "\n".join(
         [
@@ -469,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         records = load_records(args.folder)
         advantages = load_advantage_log(args.advantages) if args.advantages else None
-    except (PageInputError, OSError, UnicodeDecodeError) as exc:
+    except (InputError, OSError, UnicodeDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     groups = build_groups(records, advantages)

@@ -1,32 +1,15 @@
 """Which URLs the policy may open: public http(s) pages, its task's start page, and what the operator allowed.
 
-What this module owns
-    The decision, before a ``navigate`` reaches the browser, whether the URL the *policy* wrote may be opened.
-    Refused by default, with a reason the model reads (a policy error, never an infrastructure failure):
+Contract: before a ``navigate`` reaches the browser, the URL the policy wrote is refused unless it is http(s) to a
+host that is not, and does not resolve to, a non-public address (loopback, link-local, private, carrier-grade NAT,
+unspecified, multicast, reserved; ``localhost`` by name), or it is under the origin of the task's start URL, or on
+the operator's allow-list (:class:`~nemo_gym_browser.settings.UrlPolicy`). A refusal is a reason the model reads (a
+policy error, never an infrastructure failure). A host is read the way Chromium reads it (WHATWG URL standard: every
+IPv4 spelling, IPv6 forms that embed an IPv4 address), not the way :mod:`urllib` does.
 
-    * schemes other than ``http``/``https`` (``file:``, ``chrome:``, ``javascript:``, ``data:``, ``about:``,
-      ``view-source:``, ...), except ``file:`` pages under the directory of a ``file:`` start page;
-    * hosts that are, or resolve to, addresses that are not globally routable: loopback, link-local (cloud
-      metadata at 169.254.169.254), private (RFC 1918, unique-local IPv6), carrier-grade NAT, unspecified,
-      multicast, reserved; ``localhost`` and ``*.localhost`` by name.
-
-    Honoured: the origin of the task's start URL (a local test site may live on 127.0.0.1) and an explicit
-    allow-list from config (:class:`~nemo_gym_browser.settings.UrlPolicy`: host names, ``*.suffix`` wildcards,
-    ``host:port``, ``scheme://host[:port]``, CIDR networks).
-
-How a host is read
-    The way Chromium reads it (WHATWG URL standard), not the way :mod:`urllib` does, because the browser is the
-    one that connects: tabs and newlines are dropped, ``\\`` counts as ``/``, userinfo before the last ``@`` is
-    ignored, the host is percent-decoded and case/width-folded, and a host whose last label is numeric is an IPv4
-    address in any of its spellings (``2130706433``, ``0x7f.1``, ``0177.0.0.1``, ``127.1``). IPv6 literals are
-    checked through the IPv4 address they embed (IPv4-mapped, 6to4, Teredo, NAT64 ``64:ff9b::/96``).
-
-Limits (say them out loud)
-    Names are resolved here, on the trainer's node, while the browser resolves them again on the environment's
-    node. A name whose DNS answer changes between the two lookups (DNS rebinding) or that resolves differently
-    on the two nodes can still reach a private address; so can a redirect or a link the policy clicks on a public
-    page. This check keeps an honest policy from wandering into the cluster; the hard boundary belongs to the
-    environment hosts' network egress rules (deny private ranges and the metadata address).
+Limits: names are resolved here, on the trainer's node; DNS rebinding, names that resolve differently on the
+environment's node, redirects and clicked links can still reach a private address, so the hard boundary is the
+environment hosts' egress rules. In full: ``docs/agent-loop.md#untrusted-navigation``.
 """
 
 from __future__ import annotations

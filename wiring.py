@@ -7,9 +7,11 @@ this module imports neither torch nor verl.
 
 from __future__ import annotations
 
-FLAG_KEY = "env_invalid"  # the per-sample flag: the infrastructure failed this rollout beyond its retries
 EXTRA_FIELDS_KEY = "extra_fields"  # the single TransferQueue field holding AgentLoopOutput.extra_fields
 ESTIMATOR_NAME = "grpo_env_aware"  # the advantage estimator's name in verl's registry
+# Set on the estimator function: how the wiring tells its own registry entry (from any reload of the estimator's
+# module) from another estimator registered under the same name.
+ESTIMATOR_MARK = "_nemo_gym_browser_estimator"
 INVALID_FRACTION_METRIC = "grpo_env_aware/invalid_fraction"
 # A JSONL path: when set, the V1 trainer appends one line per advantage computation with every sample's group, flag,
 # score and advantage, so what the estimator did inside a real run can be checked (and read) sample by sample.
@@ -33,9 +35,9 @@ class PatchError(RuntimeError):
 __all__ = [
     "ADVANTAGE_LOG_ENV",
     "CORE_ALGOS",
+    "ESTIMATOR_MARK",
     "ESTIMATOR_NAME",
     "EXTRA_FIELDS_KEY",
-    "FLAG_KEY",
     "INVALID_FRACTION_METRIC",
     "PADDING_TAG",
     "PATCHES_ENV",

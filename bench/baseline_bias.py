@@ -1,26 +1,16 @@
 """What infrastructure zeros do to GRPO's advantages, and what the recipe's wiring does instead.
 
-For each infrastructure failure rate, GRPO groups are drawn with known outcomes: every prompt has a success
-probability ``p ~ Uniform(0, 1)``, every rollout is correct (reward 1) with probability ``p`` or incorrect
-(reward 0), and an exact share of all rollout slots, chosen uniformly at random, fails in the infrastructure.
-Three advantage computations see the same batch:
+For each infrastructure failure rate, GRPO groups are drawn with known outcomes (a success probability
+``p ~ Uniform(0, 1)`` per prompt, reward 1 with probability ``p``), and an exact share of all rollout slots, chosen
+uniformly at random, fails in the infrastructure. Three advantage computations see the same batch: (a) stock, verl's
+``compute_grpo_outcome_advantage`` with the failures as reward 0; (b) recipe, verl's legacy-trainer
+``compute_advantage`` with the recipe's patches installed, fed what the agent loop emits (``env_invalid``, reward 0
+and a zeroed response mask for invalid samples); (c) oracle, stock GRPO on the run where nothing failed.
 
-(a) stock    verl's ``compute_grpo_outcome_advantage`` with the failures entered as reward 0 (what a trainer that
-             turns an infrastructure failure into a zero does);
-(b) recipe   verl's legacy-trainer ``compute_advantage`` with the recipe's patches installed, fed what the
-             recipe's agent loop emits: ``env_invalid`` per sample, reward 0 and a zeroed response mask for
-             invalid samples (routed to ``grpo_env_aware``);
-(c) oracle   stock GRPO on the run where the infrastructure never failed: every slot enters with the outcome
-             its rollout really had.
-
-It prints the mean advantage given to the surviving incorrect and correct samples (the same samples under all
-three), and to the failed samples, for failure rates 0..90 % and for the mission's case: 1172 of 1280 rollouts
-failed over 20 steps of a 64-way run, taken as 20 GRPO groups (one prompt per step) of 64 rollouts with the
-failures spread uniformly over the 1280 slots. Deterministic for a given ``--seed``.
-
-Also checked (exit 1 if not): with no failure the recipe's advantages equal stock GRPO's, and the reference case
-of NeMo RL PR #3467 (rewards [1, 1, 0, 0], second sample invalid, no std division) gives the valid samples
-[0.667, -0.333, -0.333].
+It prints the mean advantage of the surviving incorrect and correct samples and of the failed ones, for failure
+rates 0..90 % and for the mission's case (1172 of 1280 rollouts failed: 20 groups of 64). Deterministic for a given
+``--seed``. Exit 1 unless, with no failure, the recipe's advantages equal stock GRPO's and the reference case of
+``docs/estimator-and-wiring.md`` holds.
 """
 
 from __future__ import annotations
@@ -38,6 +28,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos, ray_trainer
 
 from nemo_gym_browser import patches
+from nemo_gym_browser.sample_flags import INVALID_KEY
 from nemo_gym_browser.testing.benchmarking import header, write_report
 
 DEFAULT_PLOT = Path(__file__).resolve().parent / "baseline_bias.png"
@@ -111,7 +102,7 @@ def recipe_grpo(rewards: np.ndarray, uid: np.ndarray, failed: np.ndarray, *, nor
     response_mask = torch.from_numpy(~failed).to(torch.float32).unsqueeze(-1)  # the loop masks invalid samples
     data = DataProto.from_dict(
         tensors={"token_level_rewards": scores, "response_mask": response_mask},
-        non_tensors={"uid": uid, "env_invalid": failed.copy()},
+        non_tensors={"uid": uid, INVALID_KEY: failed.copy()},
     )
     data = ray_trainer.compute_advantage(
         data, adv_estimator=core_algos.AdvantageEstimator.GRPO, norm_adv_by_std_in_grpo=norm_by_std

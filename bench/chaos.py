@@ -1,23 +1,14 @@
 """Chaos: many rollouts of the real agent loop while the environment fails in every way we know, then the score.
 
-Two targets, each run through ``testing/chaos_harness.py``:
+Two targets, each run through ``testing/chaos_harness.py``: ``fake`` (several in-process fake servers, hundreds of
+rollouts, faults injected by the fakes) and ``real`` (nemo-gym 0.7.0 with Chromium, ``bash
+scripts/setup_environment.sh``, behind the loopback fault proxy; its kill phase really stops and restarts the server
+and its Chromium). Each target runs three phases: every rollout's first attempt gets one cause (a targeted
+infrastructure fault or a policy outcome); a server killed and restarted with sessions open; a burst of 503s.
 
-* ``fake``: several in-process fake ``interactive_browser`` servers (scale: hundreds of rollouts, 64 sessions per
-  server at once), faults injected by the fakes themselves;
-* ``real``: the real NeMo Gym 0.7.0 server with Chromium (``launch_environment.LocalEnvironment``, needs
-  ``bash scripts/setup_environment.sh``) behind the loopback fault proxy ``local/faults/proxy.py``; the kill
-  phase really stops the server and its Chromium and starts new ones on the same port.
-
-Each target runs three phases: (1) every rollout gets one cause for its first attempt, all at once: a targeted
-infrastructure fault (5xx, a hang past the per-call timeout, a dropped connection, a lost session, a failed
-seed, a verify that cannot grade, a judge that stops answering) or a policy outcome (clean walk, wrong answer,
-bad element id, arguments the server rejects, its own URL failing to load, a URL the guard refuses, no answer,
-out of turns, out of time, a judged task); (2) a server killed and restarted while the phase's sessions are open;
-(3) a burst of 503s on every call one server gets for a while.
-
-Printed per target: the confusion matrix of injected cause vs recorded classification of the first attempt, the
-sessions left open on the servers afterwards, the longest attempt against deadline + one per-call timeout, the
-share of rollout slots that still produced a valid sample, and each target met or missed.
+Printed per target: the confusion matrix of injected cause against the recorded classification of the first
+attempt, the sessions left open, the longest attempt against deadline + one per-call timeout, the share of rollout
+slots that still produced a valid sample, and each target met or missed. The causes: ``docs/benchmarks.md#chaos``.
 """
 
 from __future__ import annotations

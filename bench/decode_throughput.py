@@ -1,21 +1,12 @@
 """Tokens per second of the ``hfcpu`` rollout server: one request at a time against the requests decoded together.
 
-The server (``local/cpu_backend/server.py``) runs in this process with the settings ``main_ppo`` gives it on CPU
-(float32, ``num_threads`` torch threads). For each model shape and each concurrency, ``--concurrency`` requests are
-sent at once, each with its own prompt of ``--prompt-tokens`` random token ids (realistic episode prompts: the tiny
-policy's are up to ``PROMPT_LENGTH`` = 2048 tokens, most between 600 and 1500) and ``--max-tokens`` tokens to
-generate at temperature 1 (``ignore_eos``, so every request generates exactly that many). Two servers, fresh for
-every figure:
-
-- ``serial``: ``rollout.engine_kwargs.hfcpu.max_batch_size=1``, one request at a time (the server before batching:
-  prefill, then one cached forward pass per token);
-- ``batched``: ``max_batch_size`` = the concurrency, every request in flight in one forward pass per decode step.
-
-A figure is generated tokens divided by the wall time from the first request sent to the last answer (prefills
-included, as in a rollout). Each request samples from its own seeded stream, so both servers should return the
-same tokens; the ``same`` column counts the requests whose tokens agree (a float-rounding difference of the padded
-batch can, rarely, move a sampled token). Shapes: ``tiny`` is ``policy_model.ModelSpec()`` (the project's policy,
-~194k parameters with its tokenizer); ``larger`` is a 4-layer, 256-wide Qwen2 (~4.2M parameters).
+The server runs in this process with the settings ``main_ppo`` gives it on CPU. For each model shape (``tiny``, the
+project's policy; ``larger``, a 4-layer, 256-wide Qwen2) and each concurrency, that many requests are sent at once,
+each with its own prompt of ``--prompt-tokens`` random ids and ``--max-tokens`` to generate at temperature 1
+(``ignore_eos``), to a fresh ``serial`` server (``max_batch_size=1``) and a fresh ``batched`` one (``max_batch_size``
+= the concurrency). A figure is generated tokens over the wall time from the first request to the last answer,
+prefills included; ``same`` counts the requests whose tokens agree between the two (each request has its own seeded
+stream). Method in full: ``docs/benchmarks.md#cpu-rollout-decoding``.
 
 examples:
     python bench/decode_throughput.py                                  # tiny and larger, 1 / 16 / 64 requests

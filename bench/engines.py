@@ -1,25 +1,13 @@
 """Generation time and tokens per second of the two CPU rollout engines side by side: verl's vLLM server on vLLM's
 CPU build against the project's ``hfcpu`` server, the same policy and the same requests, in one run.
 
-Run it with ``.venv-vllm``'s interpreter (``bash scripts/setup_vllm.sh``). Both engines serve from Ray actors on a
-private Ray on 127.0.0.1, started as the project starts them: ``vllm`` as ``vLLMReplica`` starts verl's
-``vLLMHttpServer`` (:func:`nemo_gym_browser.local.vllm_cpu.check.launch_vllm_server`, the settings of
-``vllm_cpu_overrides``; the policy's weights synced into it through verl's rollout adapter), ``hfcpu`` as
-``HFCpuReplica`` starts ``HFCpuServer`` (:func:`nemo_gym_browser.local.cpu_backend.rollout.start_server_actor`,
-``max_batch_size`` 64), each with ``--threads`` compute threads. The policy is the deal policy
-(``local/deal_policy``) widened to head_dim 32 (``local/wide_heads.py``: vLLM's CPU attention needs it), so both
-engines serve the identical function; a greedy check at the start counts the requests on which both produce the
-same tokens.
-
-For each concurrency, ``--repeats`` waves per engine, the engines alternating (vllm first on even waves, hfcpu first on
-odd ones, and the other way round on the next level) so that other load on the machine falls on both alike. A wave
-sends that many requests at once to the engine's server actor (``server.generate.remote``, the call verl's
-``LLMServerClient`` makes), each with its own prompt of random token ids (``--prompt-tokens`` long) and
-``--max-tokens`` to generate at temperature 1 with ``ignore_eos``; its generation time is the wall time from the
-first request sent to the last answer (prefill included, as in a rollout), its tokens/s the generated tokens over
-that. The CPU seconds the engine's processes used during the wave are recorded too (cores used = CPU s / wall s).
-vLLM's prefix cache is off, so repeated waves cost it what they cost ``hfcpu``. The median wave of each engine is
-reported, with the ratio vllm/hfcpu.
+Run it with ``.venv-vllm``'s interpreter. Both engines serve from Ray actors on a private Ray on 127.0.0.1, started as
+the project starts them (``vLLMHttpServer`` as ``vLLMReplica`` does, weights synced through verl's adapter;
+``HFCpuServer`` as ``HFCpuReplica`` does), each with ``--threads`` compute threads, both serving the deal policy
+widened to head_dim 32. For each concurrency, ``--repeats`` waves per engine, the engines alternating; a wave sends
+that many requests at once (``server.generate.remote``, as verl's ``LLMServerClient`` does), each with its own
+random prompt and ``--max-tokens`` to generate at temperature 1. The median wave's time, tokens/s and cores used
+are reported, with the ratio vllm/hfcpu. Method in full: ``docs/benchmarks.md#cpu-rollout-engines-side-by-side``.
 
 examples:
     .venv-vllm/bin/python bench/engines.py                                   # 1 / 16 / 64 requests, 3 waves each

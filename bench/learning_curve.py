@@ -6,7 +6,12 @@ name the fruit a board marks on sale. Two routes solve one: read the board (an `
 with the marked fruit), or ``finish`` at once with a fruit from memory, never touching the browser, which is right
 one time in four. The warm start takes both routes and reads the mark only some of the time. ``--suite aisle``
 asks the same two browser calls away (observe the aisles, click the one marked, then name the fruit its stand
-marks), with its own warm-started policy (``local/aisle_policy``).
+marks), with its own warm-started policy (``local/aisle_policy``). ``--suite miniwob`` trains on MiniWoB++ pages
+(``local/miniwob``; the ``miniwob`` extra), always on nemo-gym 0.7.0 with Chromium: the site is served on 127.0.0.1
+(``--miniwob-port``) with a grade key made for the benchmark and never written down, the rows are the training
+seeds of ``local/miniwob/policy.py``'s ``LEARNING_TASKS``, and validation plays each task's first ``--val-tasks``
+held-back seeds under its own data source (``miniwob/<task>``), so held-back success is reported per task
+(``by_task``) and as their mean.
 
 ``--sample-mode``: one sample per episode (``trajectory``, verl's default) or one per policy step (``stepwise``:
 ``nemo_gym_browser.stepwise.enabled``); each mode listed runs every arm, seed and rate. Per run it records steps to
@@ -37,11 +42,13 @@ writes the JSON after every run (a long benchmark keeps what it measured) and a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +65,11 @@ ENGINES = tr.ENGINES
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("recipe", "stock")
-SUITES = ("deal", "aisle")
+SUITES = ("deal", "aisle", "miniwob")
+MINIWOB_TRAIN_SEEDS = 64  # training seeds per MiniWoB task (the dataloader draws the steps' tasks from them)
+# The benchmark's MiniWoB site has a port of its own (the rows name it): a benchmark running for hours leaves
+# the suite's fixed port (8766) to the integration tier.
+MINIWOB_BENCH_PORT = 8767
 SAMPLE_MODES = settings.SAMPLE_MODES
 STEPWISE_OVERRIDE = "nemo_gym_browser.stepwise.enabled=true"
 TARGET_SUCCESS = 0.8  # held-back clean success a run is timed to ("steps to 0.8")
@@ -106,7 +117,7 @@ def run_spec(
 ) -> Any:
     n = args.val_samples
     overrides = [
-        f"data.val_files=[{rs.hydra_string(data['val'][0])},{rs.hydra_string(data['val'][1])}]",
+        f"data.val_files=[{','.join(rs.hydra_string(path) for path in data['val'])}]",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         f"actor_rollout_ref.rollout.val_kwargs.n={n}",
@@ -139,7 +150,17 @@ def run_spec(
 
 
 def evaluated(steps: dict[int, dict[str, Any]], n: int, suite: str = "deal") -> dict[int, dict[str, float]]:
-    """Per evaluated step: clean success and browsing, on training tasks and held-back ones."""
+    """Per evaluated step: clean success and browsing, on training tasks and held-back ones (MiniWoB: held-back
+    seeds only, the mean over its tasks of :func:`by_task`)."""
+    if suite == "miniwob":
+        return {
+            step: {
+                f"heldback_{name}": sum(task[name] for task in tasks.values()) / len(tasks)
+                for name in ("success", "browsed", "browser_calls")
+                if all(name in task for task in tasks.values())
+            }
+            for step, tasks in by_task(steps, n).items()
+        }
     out = {}
     for step, metrics in sorted(steps.items()):
         row = {}
@@ -153,6 +174,29 @@ def evaluated(steps: dict[int, dict[str, Any]], n: int, suite: str = "deal") -> 
                     row[f"{split}_{name}"] = float(metrics[key])
         if row:
             out[step] = row
+    return out
+
+
+def by_task(steps: dict[int, dict[str, Any]], n: int) -> dict[int, dict[str, dict[str, float]]]:
+    """MiniWoB: per evaluated step and task, held-back clean success, browsing and browser calls (the tasks are the
+    data sources ``miniwob/<task>`` verl's validation reported)."""
+    from nemo_gym_browser.local.miniwob.suite import DATA_SOURCE_PREFIX
+
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    prefix = f"val-core/{DATA_SOURCE_PREFIX}"
+    for step, metrics in sorted(steps.items()):
+        tasks = {}
+        for key in metrics:
+            if key.startswith(prefix) and key.endswith(f"/reward/mean@{n}"):
+                task = key[len(prefix) : -len(f"/reward/mean@{n}")]
+                source = DATA_SOURCE_PREFIX + task
+                row = {"success": float(metrics[key])}
+                for name, metric in (("browsed", "env/browsed"), ("browser_calls", "env/browser_actions")):
+                    if f"val-aux/{source}/{metric}/mean@{n}" in metrics:
+                        row[name] = float(metrics[f"val-aux/{source}/{metric}/mean@{n}"])
+                tasks[task] = row
+        if tasks:
+            out[step] = dict(sorted(tasks.items()))
     return out
 
 
@@ -296,9 +340,10 @@ def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
         previous, runs = report["settings"], report["runs"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--resume: {path} is not a learning_curve.py report ({exc})") from None
+    compared = RUN_SETTINGS + (("miniwob_port",) if settings.get("suite") == "miniwob" else ())
     differing = [
         key
-        for key in RUN_SETTINGS
+        for key in compared
         if str(previous.get(key)) != str(settings.get(key))
         and not (key == "model" and same_weights(Path(str(previous.get(key))), Path(str(settings.get(key)))))
     ]
@@ -306,7 +351,7 @@ def resumed_runs(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
         shown = ", ".join(f"{key} {previous.get(key)!r} there, {settings.get(key)!r} now" for key in differing)
         raise ValueError(f"--resume: {path} was measured with other settings ({shown}); give another --json")
     for run in runs:
-        for field in ("evaluated", "training", "tokens"):
+        for field in ("evaluated", "training", "tokens", "by_task"):
             run[field] = {int(step): value for step, value in run.get(field, {}).items()}
         run["costs"] = run_costs(run, int(settings["prompts_per_step"]) * int(settings["group_size"]))
     return runs
@@ -356,6 +401,7 @@ def run_one(
         "minutes": result.elapsed_s / 60,
         "peak_memory_gib": result.peak_memory_bytes / 2**30,
         "evaluated": evaluated(result.steps, args.val_samples, args.suite),
+        **({"by_task": by_task(result.steps, args.val_samples)} if args.suite == "miniwob" else {}),
         "training": training,
         "faults_injected": injected,
         "sessions_left_open": left_open,
@@ -365,6 +411,58 @@ def run_one(
     }
     run["costs"] = run_costs(run, args.prompts_per_step * args.group_size)
     return run
+
+
+def task_table(runs: list[dict[str, Any]]) -> str:
+    """MiniWoB: a Markdown table of held-back success per task, before training (step 0) and after it (the last
+    evaluated step), mean (min–max) over seeds, a column per failure rate and arm; its last row is the mean over
+    tasks. Built from the runs' ``by_task`` only, so a page quoting it names the runs it was made from."""
+    groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for run in sorted(runs, key=lambda r: (r["rate"], ARMS.index(r["arm"]), r["seed"])):
+        if run.get("by_task"):
+            groups.setdefault((run["rate"], run["arm"]), []).append(run)
+    tasks = sorted({task for group in groups.values() for run in group for task in run["by_task"][0]})
+    header = ["task"] + [
+        f"{rate:.0%} {arm}, {len(group)} seed{'s' if len(group) > 1 else ''}" for (rate, arm), group in groups.items()
+    ]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+
+    def cell(group: list[dict[str, Any]], value: Any) -> str:
+        before = [value(run, run["by_task"][0]) for run in group]
+        after = [value(run, run["by_task"][max(run["by_task"])]) for run in group]
+        last = f"{sum(after) / len(after):.2f}" + (f" ({min(after):.2f}–{max(after):.2f})" if len(after) > 1 else "")
+        return f"{sum(before) / len(before):.2f} → {last}"
+
+    for task in tasks:
+        row = [task] + [cell(group, lambda run, step, t=task: step[t]["success"]) for group in groups.values()]
+        lines.append("| " + " | ".join(row) + " |")
+    mean = [
+        cell(group, lambda run, step: sum(t["success"] for t in step.values()) / len(step)) for group in groups.values()
+    ]
+    lines.append("| " + " | ".join([f"mean of {len(tasks)}", *mean]) + " |")
+    return "\n".join(lines)
+
+
+def cost_table(runs: list[dict[str, Any]], episodes_per_step: int) -> str:
+    """A Markdown table of what each run cost: minutes in all, seconds per training step, training episodes (the
+    ``episodes_per_step`` each step keeps) per minute of training steps, peak memory, and the recipe's share of
+    episodes still failed after its attempts and of attempts re-run."""
+    lines = [
+        "| run | minutes | s/step | episodes per minute | peak GiB | invalid after attempts | resampled |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in sorted(runs, key=lambda r: (r["rate"], ARMS.index(r["arm"]), r["seed"])):
+        steps = [t for t in run["training"].values() if t.get("step_s") is not None]
+        seconds = sum(t["step_s"] for t in steps) / len(steps)
+        invalid = [t["invalid_rate"] for t in steps if t.get("invalid_rate") is not None]
+        resampled = [t["resampled_rate"] for t in steps if t.get("resampled_rate") is not None]
+        lines.append(
+            f"| {run['rate']:.0%} {run['arm']} seed {run['seed']} | {run['minutes']:.1f} | {seconds:.1f} | "
+            f"{60 * episodes_per_step / seconds:.0f} | {run['peak_memory_gib']:.1f} | "
+            f"{mean_text(invalid) if run['arm'] == 'recipe' else '-'} | "
+            f"{mean_text(resampled) if run['arm'] == 'recipe' else '-'} |"
+        )
+    return "\n".join(lines)
 
 
 def spread(values: list[float]) -> str:
@@ -382,7 +480,7 @@ def mean_text(values: list[float]) -> str:
     return f"{sum(values) / len(values):.2f}" if values else "-"
 
 
-def print_summary(runs: list[dict[str, Any]]) -> None:
+def print_summary(runs: list[dict[str, Any]], settings: dict[str, Any] | None = None) -> None:
     print("\nclean success and browsing, mean (min-max) over seeds, by evaluated step")
     columns = ("train_success", "heldback_success", "train_browsed", "heldback_browsed", "train_browser_calls")
     modes = [mode for mode in SAMPLE_MODES if any(run.get("sample_mode", "trajectory") == mode for run in runs)]
@@ -421,6 +519,12 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
             f"{number_text(row['tokens_per_sample_mean'], 13, 0)} {number_text(row['tokens_per_sample_max'], 6, 0)} "
             f"{number_text(row['peak_memory_gib'], 8, 1)}"
         )
+    if any(run.get("by_task") for run in runs):
+        print("\nheld-back success per task, before -> after training, mean (min-max) over seeds")
+        print(task_table(runs))
+        if settings is not None:
+            print()
+            print(cost_table(runs, int(settings["prompts_per_step"]) * int(settings["group_size"])))
     print("\nrun                         minutes  s/step  gen s  peak GiB  invalid  resampled  faults  left open")
     for run in runs:
         seconds = [t["step_s"] for t in run["training"].values() if t["step_s"] is not None]
@@ -445,7 +549,13 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
 
     rates = sorted({run["rate"] for run in runs})
     modes = [mode for mode in SAMPLE_MODES if any(run.get("sample_mode", "trajectory") == mode for run in runs)]
-    panels = (("heldback_success", "clean success, held-back tasks"), ("train_browsed", "share of episodes browsing"))
+    # MiniWoB validates held-back seeds only: its browsing panel is theirs
+    browsed = (
+        "train_browsed"
+        if any("train_browsed" in row for run in runs for row in run["evaluated"].values())
+        else "heldback_browsed"
+    )
+    panels = (("heldback_success", "clean success, held-back tasks"), (browsed, "share of episodes browsing"))
     figure, axes = plt.subplots(
         len(panels), len(rates), figsize=(4.6 * len(rates), 3.2 * len(panels)), sharey="row", squeeze=False
     )
@@ -533,18 +643,23 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--lr", type=float, default=3e-4, help="actor learning rate (%(default)s)")
     parser.add_argument("--suite", choices=SUITES, default="deal",
                         help="the Corner Shop tasks: deal (observe, then finish) or aisle (observe, click the marked "
-                        "aisle, then finish) (default %(default)s)")  # fmt: skip
+                        "aisle, then finish), or MiniWoB++ pages (miniwob: observe, click; --val-tasks held-back "
+                        "seeds per task) (default %(default)s)")  # fmt: skip
+    parser.add_argument("--miniwob-port", type=int, default=MINIWOB_BENCH_PORT,
+                        help="miniwob suite: the port its site is served on, named by its rows (default "
+                        "%(default)s; the suite's own 8766 stays free for the integration tier)")  # fmt: skip
     parser.add_argument("--sample-mode", nargs="+", choices=SAMPLE_MODES, default=["trajectory"],
                         help="one sample per episode (trajectory) or per policy step (stepwise); each mode listed "
                         "runs every arm, seed and rate (default: trajectory)")  # fmt: skip
     parser.add_argument("--model", type=Path, default=None,
-                        help="a policy folder (default: the suite's shipped one, local/deal_policy or "
-                        "local/aisle_policy)")  # fmt: skip
+                        help="a policy folder (default: the suite's shipped one, local/deal_policy, "
+                        "local/aisle_policy or local/miniwob_policy)")  # fmt: skip
     parser.add_argument("--engine", choices=sorted(ENGINES), default="hfcpu",
                         help="what serves the policy: hfcpu (local/cpu_backend, default) or vllm (verl's vLLM "
                         "rollout on vLLM's CPU build, .venv-vllm; the policy as its head_dim-32 copy)")  # fmt: skip
-    parser.add_argument("--environment", choices=("fake", "real"), default="fake",
-                        help="the fake interactive_browser (default) or nemo-gym 0.7.0 with Chromium")  # fmt: skip
+    parser.add_argument("--environment", choices=("fake", "real"), default=None,
+                        help="the fake interactive_browser or nemo-gym 0.7.0 with Chromium (default: fake; the "
+                        "miniwob suite runs on real only)")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/nemo-gym-browser-learning-curve"))
     parser.add_argument("--plot", type=Path, default=None, help="the figure (default: --json with .png)")
     parser.add_argument("--json", type=Path, default=HERE / "learning_curve.json")
@@ -559,11 +674,70 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     return parser
 
 
+def shop_data(args: argparse.Namespace) -> dict[str, Any]:
+    """The Corner Shop suite's policy and rows: training tasks, and a copy of each split's first ``--val-tasks``."""
+    train_file, held_file = shop_tasks.SUITE_FILES[args.suite]
+    rows_dir = args.workdir if args.suite == "deal" else args.workdir / args.suite
+    train_rows = prepare_rows(train_file, rows_dir / "rows-train")
+    held_rows = prepare_rows(held_file, rows_dir / "rows-heldback")
+    val_train, train_ids = validation_rows(
+        train_rows, "train", rows_dir / "val" / "train.jsonl", args.val_tasks, args.suite
+    )
+    val_held, held_ids = validation_rows(
+        held_rows, "heldback", rows_dir / "val" / "heldback.jsonl", args.val_tasks, args.suite
+    )
+    if args.model:
+        model = args.model.resolve()  # main_ppo runs elsewhere
+    else:
+        model = tr.aisle_policy_folder() if args.suite == "aisle" else tr.deal_policy_folder(args.workdir)
+    return {"model": model, "train": train_rows, "val": (val_train, val_held), "val_ids": train_ids | held_ids}
+
+
+def miniwob_rows(
+    key: Any, output_dir: Path, val_seeds: int, tasks: tuple[str, ...], port: int = MINIWOB_BENCH_PORT
+) -> dict[str, Any]:
+    """MiniWoB's rows under ``output_dir``: :data:`MINIWOB_TRAIN_SEEDS` training seeds of each task, and the first
+    ``val_seeds`` held-back seeds of each for validation, their task ids marked (so faults spare them) and their
+    data source each task's own."""
+    from nemo_gym_browser.local.miniwob.suite import suite_rows
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    train, val = output_dir / "train.jsonl", output_dir / "val-heldback.jsonl"
+    held = suite_rows(key, "heldback", val_seeds, tasks=tasks, port=port)
+    for row in held:
+        row["task_id"] = VAL_TASK_PREFIX + row["task_id"]
+    for path, rows in ((train, suite_rows(key, "train", MINIWOB_TRAIN_SEEDS, tasks=tasks, port=port)), (val, held)):
+        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return {"train": train, "val": (val,), "val_ids": frozenset(row["task_id"] for row in held)}
+
+
+@contextlib.contextmanager
+def miniwob_environment(key: Any, port: int = MINIWOB_BENCH_PORT) -> Iterator[str]:
+    """The MiniWoB site on ``port`` beside nemo-gym 0.7.0 with Chromium; yields the environment's URL."""
+    from nemo_gym_browser.launch_environment import LocalEnvironment
+    from nemo_gym_browser.local.miniwob.site import MiniWobSite
+
+    with MiniWobSite(key, port=port), LocalEnvironment() as real:
+        yield real.url
+
+
+def miniwob_data(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """The MiniWoB suite's policy, rows and environment, under a grade key made now (held in memory only: the rows
+    in the workdir carry the codes it makes, the site checks them; a resumed benchmark makes new ones)."""
+    from nemo_gym_browser.local.miniwob.grading import GradeKey
+    from nemo_gym_browser.local.miniwob.policy import LEARNING_TASKS, MINIWOB_POLICY_DIR
+
+    key = GradeKey.generate()
+    data = miniwob_rows(key, args.workdir / "miniwob", args.val_tasks, LEARNING_TASKS, args.miniwob_port)
+    data["model"] = (args.model or MINIWOB_POLICY_DIR).resolve()
+    return data, miniwob_environment(key, args.miniwob_port)
+
+
 def report(path: Path, plot_path: Path, settings: dict[str, Any], runs: list[dict[str, Any]]) -> None:
     """Writes the JSON report, prints the summary tables and draws the plot, titled from the settings and from the
     runs themselves (resumed ones included: the figure shows what took this long)."""
     write_report(path, settings, runs)
-    print_summary(runs)
+    print_summary(runs, settings)
     total = sum(run["minutes"] for run in runs)
     modes = list(dict.fromkeys(run.get("sample_mode", "trajectory") for run in runs))
     seeds = sorted({run["seed"] for run in runs})
@@ -599,8 +773,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plot is None:  # beside its JSON: a report of one benchmark never redraws another's figure
         args.plot = args.json.with_suffix(".png")
+    if args.environment is None:
+        args.environment = "real" if args.suite == "miniwob" else "fake"
     problem = None
-    if any(not 0.0 <= rate < 1.0 for rate in args.rates):
+    if args.suite == "miniwob" and args.environment != "real":
+        problem = "--suite miniwob runs on --environment real only (the fake server serves the Corner Shop)"
+    elif any(not 0.0 <= rate < 1.0 for rate in args.rates):
         problem = "--rates must be in [0, 1)"
     elif min(args.steps, args.eval_every, args.val_tasks, args.val_samples, args.prompts_per_step, args.group_size) < 1:
         problem = "--steps, --eval-every, --val-tasks, --val-samples, --prompts-per-step, --group-size: at least 1"
@@ -616,23 +794,14 @@ def main(argv: list[str] | None = None) -> int:
     print(header("learning curve: the recipe vs stock GRPO, browser calls failing"), flush=True)
 
     started = time.monotonic()
-    train_file, held_file = shop_tasks.SUITE_FILES[args.suite]
-    rows_dir = args.workdir if args.suite == "deal" else args.workdir / args.suite
-    train_rows = prepare_rows(train_file, rows_dir / "rows-train")
-    held_rows = prepare_rows(held_file, rows_dir / "rows-heldback")
-    val_train, train_ids = validation_rows(
-        train_rows, "train", rows_dir / "val" / "train.jsonl", args.val_tasks, args.suite
-    )
-    val_held, held_ids = validation_rows(
-        held_rows, "heldback", rows_dir / "val" / "heldback.jsonl", args.val_tasks, args.suite
-    )
-    if args.model:
-        model = args.model.resolve()  # main_ppo runs elsewhere
+    if args.suite == "miniwob":
+        data, environment = miniwob_data(args)
     else:
-        model = tr.aisle_policy_folder() if args.suite == "aisle" else tr.deal_policy_folder(args.workdir)
+        data, environment = shop_data(args), tr.shop_environment(args.environment)
+    model = data["model"]
     if args.engine == "vllm":
         model = tr.vllm_servable(model, args.workdir)
-    data = {"model": model, "train": train_rows, "val": (val_train, val_held), "val_ids": train_ids | held_ids}
+    data["model"] = model
     print(f"policy {model} ready after {time.monotonic() - started:.0f} s", flush=True)
 
     settings = vars(args) | {"workdir": str(args.workdir), "model": str(model)}
@@ -645,20 +814,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"resumed {len(runs)} run(s) from {args.json}", flush=True)
     done = {run_key(run) for run in runs}
-    with tr.shop_environment(args.environment) as url:
+    with environment as url:
         for mode, rate, seed, arm in (item for item in run_plan(args) if item not in done):
             run = run_one(args, arm=arm, seed=seed, rate=rate, url=url, data=data, mode=mode)
             runs.append(run)
             first, last = min(run["evaluated"]), max(run["evaluated"])
             before, after = run["evaluated"][first], run["evaluated"][last]
             costs = run["costs"]
+            browsed = "train_browsed" if "train_browsed" in before else "heldback_browsed"  # MiniWoB: held-back only
             print(
                 f"  {rate:.0%} {arm:<6} seed {seed}" + ("" if mode == "trajectory" else f" {mode}") + ": "
                 f"{run['minutes']:.1f} min; held-back success "
                 f"{before.get('heldback_success', float('nan')):.2f} -> "
                 f"{after.get('heldback_success', float('nan')):.2f}, browsing "
-                f"{before.get('train_browsed', float('nan')):.2f} -> "
-                f"{after.get('train_browsed', float('nan')):.2f}; tokens per sample "
+                f"{before.get(browsed, float('nan')):.2f} -> "
+                f"{after.get(browsed, float('nan')):.2f}; tokens per sample "
                 f"{number_text(costs['tokens_per_sample_mean'], 0, 0)} (max "
                 f"{number_text(costs['tokens_per_sample_max'], 0, 0)})",
                 flush=True,

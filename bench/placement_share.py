@@ -1,25 +1,14 @@
 """On a skewed batch over several worker processes: a static per-worker share of the session cap against the Ray
 placement authority.
 
-``--workers`` Ray actors (separate processes, as verl's ``AgentLoopWorker``s are) each run their chunk of one batch,
-every episode of the chunk at once, through their own ``EnvironmentClient`` on ``--servers`` fake environment
-servers in this process, each capped at ``--cap`` sessions. An episode seeds, then takes ``steps`` turns of policy
-time (``--think``) and one browser call, then closes; every call costs ``--latency`` on the server. The batch is
-skewed as verl's is: a prompt's ``--group`` samples are adjacent in the batch and verl cuts it into equal chunks in
-order, so a worker whose prompts are long (``LONG_STEPS``) holds a backlog while one with short prompts finishes
-early. Two designs:
-
-* ``static``: :class:`~nemo_gym_browser.placement.StaticSharePlacement`; each worker holds at most its own share of
-  every server's cap (``cap * servers / workers`` in all), decided locally;
-* ``authority``: ``placement="ray"``, one ``PlacementAuthority`` actor counts every worker's sessions.
-
-Each design runs the batch twice: whole, and with the last worker killed (``ray.kill``) ``--kill-after`` seconds in,
-while it holds sessions. Measured on the servers themselves: wall time of the batch (until the last surviving
-worker is done), the most sessions any server held at once (never above the cap), utilisation (browsers open,
-averaged over the batch, over ``cap * servers``), when each worker finished, and for the killed worker how many
-browsers it left open and how long until they were closed and their slots free again. The authority runs with
-``--lease-ttl`` (the recipe's default is 60 s) so that its reaping is seen within the benchmark. Fresh servers for
-every run; the numbers go to ``bench/placement_share.json``.
+``--workers`` Ray actors (separate processes, as verl's ``AgentLoopWorker``s are) each run their chunk of one batch at
+once through their own ``EnvironmentClient`` on ``--servers`` fake servers capped at ``--cap`` sessions; the batch is
+skewed as verl's is (a prompt's ``--group`` samples adjacent, equal chunks in order, one worker's prompts long). Two
+designs: ``static`` (:class:`~nemo_gym_browser.testing.static_share.StaticSharePlacement`, each worker within its own
+share) and ``authority`` (``placement="ray"``, one ``PlacementAuthority`` actor). Each runs the batch whole and with
+the last worker killed ``--kill-after`` seconds in. Measured on the servers: wall time, the most sessions any server
+held (never above the cap), utilisation, when each worker finished, and the killed worker's browsers left open and
+for how long. Numbers to ``bench/placement_share.json``; method: ``docs/benchmarks.md``.
 
 Examples:
     python bench/placement_share.py
@@ -43,10 +32,11 @@ from typing import Any
 
 from nemo_gym_browser.environment import EnvironmentClient
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
-from nemo_gym_browser.placement import Placement, StaticSharePlacement, static_share
+from nemo_gym_browser.placement import Placement
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import describe_machine, header
 from nemo_gym_browser.testing.private_ray import private_ray
+from nemo_gym_browser.testing.static_share import StaticSharePlacement, static_share
 
 START = "site/index.html"
 DESIGNS = ("static", "authority")

@@ -1,32 +1,13 @@
 """What the recipe costs on top of the environment: 1, 64 and 256 concurrent episodes of the real agent loop.
 
-Each episode is the recipe's real ``BrowserToolAgentLoop`` (built per episode from ``configs/agent_loop.yaml`` by
-``hydra.utils.instantiate``, as verl's ``AgentLoopWorker`` builds it), driven by an instant scripted policy
-(``local/scripted_policy.py``) against a fake ``interactive_browser`` server with a fixed per-call latency that
-runs in its own process, as a deployed server does. An episode is ``--steps`` browser actions (observe ... click
-"About", finish), so ``steps + 3`` environment calls with the seed, the verify and the close.
-
-Side by side, at the same concurrency and against the same server, two other kinds of episode run:
-
-* *raw*: exactly the same ``steps + 3`` HTTP calls with bare aiohttp (one cookie jar per episode, a shared pool)
-  and nothing else: the environment's own cost;
-* *verl*: verl's stock ``ToolAgentLoop`` with the same policy and a minimal tool that makes the same HTTP calls
-  with bare aiohttp (seed on the first call, verify and close after finish): what any verl tool recipe costs.
-  It makes one more generation per episode than the recipe (the stock loop cannot stop on ``done``).
-
-Then, for the recipe (and for the verl baseline):
-
-    added latency per step = (mean episode wall time - mean raw episode wall time) / steps
-
-reported as a share of the mean raw call latency. Everything in the rollout process counts as added: verl's
-``ToolAgentLoop`` (chat template, tokenization, tool parsing), the recipe (environment client, episode
-bookkeeping, URL guard, flags) and the fake model's own work (about what an inference client costs), which is
-also shown on its own. The kinds alternate within each round.
-
-Memory: a separate pass per concurrency under ``tracemalloc`` (Python heap only; the tokenizer's Rust allocations
-are not seen): peak traced bytes above the level before the wave, divided by the number of episodes in flight.
-The timed pass also samples the process RSS every 10 ms (peak above the level before the wave), which counts
-every allocation but also allocator slack.
+Each episode is the recipe's real ``BrowserToolAgentLoop`` (built from ``configs/agent_loop.yaml`` as verl's
+``AgentLoopWorker`` builds it), driven by an instant scripted policy against a fake server with a fixed per-call
+latency in its own process: ``--steps`` browser actions plus seed, verify and close. Side by side at the same
+concurrency: *raw* (the same HTTP calls with bare aiohttp: the environment's own cost) and *verl* (verl's stock
+``ToolAgentLoop`` with a minimal bare-HTTP tool; one more generation per episode). Added latency per step =
+(mean episode wall time - mean raw episode wall time) / steps, as a share of the raw call latency; everything in the
+rollout process counts as added. Memory: a separate ``tracemalloc`` pass (peak heap per episode in flight) and the
+timed pass's sampled RSS. Method in full: ``docs/benchmarks.md#rollout-overhead``.
 """
 
 from __future__ import annotations
@@ -58,6 +39,7 @@ from nemo_gym_browser.browser_tool import default_tool_schema
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 from nemo_gym_browser.local.in_process_loop import agent_loop_entry, compose_trainer_config, load_tools, make_row
+from nemo_gym_browser.sample_flags import FAILURE_REASON_KEY, INVALID_KEY
 from nemo_gym_browser.testing.benchmarking import LoopFactory, fake_environment_process, header, write_report
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
@@ -242,10 +224,8 @@ class RecipeRunner(LoopRunner):
 
     async def episode(self, index: int, call_s: list[float]) -> float:
         output = await self.build().run(SAMPLING, **self.row(index))
-        if output.extra_fields["env_invalid"]:
-            raise RuntimeError(
-                f"episode {index} failed in the environment: {output.extra_fields['env_failure_reason']}"
-            )
+        if output.extra_fields[INVALID_KEY]:
+            raise RuntimeError(f"episode {index} failed in the environment: {output.extra_fields[FAILURE_REASON_KEY]}")
         return float(output.reward_score)
 
 

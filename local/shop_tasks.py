@@ -1,47 +1,14 @@
-"""The Corner Shop: a small local web site and a graded task suite over it, for training and evaluating on CPU.
+"""The Corner Shop: a small local web site and graded task suites over it, for training and evaluating on CPU.
 
-What this module owns
-    * The catalogue (:data:`CATEGORIES`): six sections of four items, each item with a price. Every page of
-      ``local/site/shop/`` is rendered from it (:func:`render_pages`), and so are the task files
-      ``examples/shop_tasks_train.jsonl`` and ``examples/shop_tasks_heldback.jsonl`` (:func:`task_records`).
-      ``python -m nemo_gym_browser.local.shop_tasks --write`` regenerates them; ``--check`` fails when a committed
-      file differs from what the catalogue renders.
-    * The same pages for the in-process environment server (:func:`in_process_site`): a
-      :class:`~nemo_gym_browser.local.environment_server.site_model.Site` whose observations equal the real
-      server's for every page (checked against Chromium by the integration tier), including the search results
-      page that the real site builds with a script.
-    * Serving the real pages (:func:`serve`): :class:`~.local_site.LocalSite` on :data:`SHOP_PORT`, the fixed
-      loopback port the task files name.
-
-The scripted player that solves (or half-solves) these tasks for demonstrations and tests is :mod:`.shop_scripts`.
-
-The tasks
-    Four kinds, one task of each kind per item (96 tasks). Every kind is solved by the same rule: act on the
-    element whose text is the word the task names.
-
-    ========  =========================  ===================================================  ===============
-    kind      start page                 task (for Mango in Fruit)                             graded by
-    ========  =========================  ===================================================  ===============
-    open      the item's section page    ``Open the Mango page.`` (one click)                  ``final_url``
-    browse    the shop's home page       ``Go to Fruit, then open Mango.`` (two clicks)        ``dom_contains``
-    search    the shop's home page       ``Search the shop for "mango".`` (type, click)        ``url_contains``
-    price     the shop's home page       ``Go to Fruit, open Mango and report its price.``     ``answer_equals``
-    ========  =========================  ===================================================  ===============
-
-    The split is by item: one item per section (:data:`HELD_BACK_ITEMS`, at a different position in each section)
-    is held back, so the 24 held-back tasks target items no training task targets. The held-back items are on the
-    pages of training episodes only as other links; their prices all occur among the training items' prices.
-
-    Two more suites ask which fruit is on sale: ``deal`` on a board that marks it (one browser call: observe, then
-    finish), and ``aisle``, where the start page marks the aisle whose board has the deal (two dependent calls:
-    observe, click the marked aisle, then finish with the fruit its board marks). See :data:`SUITES`.
-
-Why a fixed port
-    A task's start URL is absolute (``http://127.0.0.1:8765/shop/...``), so one task file serves the real server,
-    the in-process server and a training run alike, and the prompts and observations a policy sees are the same in all
-    three (a free port would change the URL in every prompt from run to run). Only the real server needs the site
-    actually served there; the in-process server answers from its page table. The start page's origin is honoured by
-    the recipe's URL guard, and the tasks need no navigation of the policy's own.
+Contract: one catalogue (:data:`CATEGORIES`, six sections of four priced items) renders every page of
+``local/site/shop/`` (:func:`render_pages`) and the task files ``examples/shop_tasks_*.jsonl``
+(:func:`task_records`: open, browse, search and price tasks, one of each per item, the items of
+:data:`HELD_BACK_ITEMS` held back); ``python -m nemo_gym_browser.local.shop_tasks --write`` regenerates them and
+``--check`` fails when a committed file differs. :data:`SUITES` adds ``deal`` (one browser call) and ``aisle`` (two
+dependent calls). :func:`in_process_site` is the same pages for the in-process environment server, whose
+observations equal the real server's; :func:`serve` serves the real pages on :data:`SHOP_PORT`, the fixed loopback
+port the task files name (a free port would change every prompt). The scripted player is :mod:`.shop_scripts`.
+The suites in full: ``docs/rehearsal-and-cpu-training.md``.
 """
 
 from __future__ import annotations

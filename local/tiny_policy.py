@@ -30,7 +30,7 @@ from ..settings import SAMPLE_MODES
 from . import shop_tasks
 from .policy_evaluation import evaluate
 from .policy_model import ModelSpec, build_model, parameter_count, policy_tokenizer
-from .warm_start import WarmStartSpec, collect_demonstrations, load_samples, warm_start
+from .warm_start import Demonstration, WarmStartSpec, collect_demonstrations, load_samples, warm_start
 
 REPORT_FILE = "warm_start.json"
 
@@ -95,13 +95,8 @@ def build(
     """
     output_dir = Path(output_dir)
     tokenizer = policy_tokenizer()
-    if start_from is not None:
-        model = Qwen2ForCausalLM.from_pretrained(start_from, attn_implementation="sdpa")
-        if model.config.vocab_size != len(tokenizer):
-            raise ValueError(f"{start_from} was built with another tokenizer ({model.config.vocab_size} tokens)")
-        model_spec = ModelSpec(**json.loads((Path(start_from) / REPORT_FILE).read_text())["model"])
-    else:
-        model = build_model(tokenizer, model_spec, warm.seed)
+    # from start_from: train_and_save loads its weights and spec
+    model = build_model(tokenizer, model_spec, warm.seed) if start_from is None else None
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tiny-policy-") as workdir:
         samples = load_samples(Path(task_file), Path(workdir))
@@ -117,6 +112,43 @@ def build(
             )
         )
     demo_seconds = time.monotonic() - started
+    return train_and_save(
+        output_dir,
+        demos,
+        tokenizer=tokenizer,
+        warm=warm,
+        demo_seconds=demo_seconds,
+        model=model,
+        model_spec=model_spec if start_from is None else None,
+        start_from=start_from,
+        sample_modes=sample_modes,
+    )
+
+
+def train_and_save(
+    output_dir: Path,
+    demos: Sequence[Demonstration],
+    *,
+    tokenizer: Any,
+    warm: WarmStartSpec,
+    demo_seconds: float,
+    model: Qwen2ForCausalLM | None = None,
+    model_spec: ModelSpec | None = None,
+    start_from: Path | None = None,
+    sample_modes: Sequence[str] = ("trajectory",),
+) -> WarmStartReport:
+    """Warm-start ``model`` (or the weights of ``start_from``, a folder :func:`build` wrote with this tokenizer) on
+    ``demos`` and save the folder with its report; the demonstrations may come from any suite's player."""
+    if model is None:
+        if start_from is None:
+            raise ValueError("a model or a folder to start from is needed")
+        model = Qwen2ForCausalLM.from_pretrained(start_from, attn_implementation="sdpa")
+        if model.config.vocab_size != len(tokenizer):
+            raise ValueError(f"{start_from} was built with another tokenizer ({model.config.vocab_size} tokens)")
+    if model_spec is None:
+        if start_from is None:
+            raise ValueError("the model's spec or the folder it came from is needed")
+        model_spec = ModelSpec(**json.loads((Path(start_from) / REPORT_FILE).read_text())["model"])
     started = time.monotonic()
     losses = warm_start(model, demos, warm, tokenizer.pad_token_id) if warm.steps > 0 else []
     train_seconds = time.monotonic() - started
@@ -139,6 +171,7 @@ def build(
         start_from=_summary(start_from) if start_from is not None else None,
         sample_modes=list(sample_modes),
     )
+    output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

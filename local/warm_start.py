@@ -145,13 +145,13 @@ async def collect_demonstrations(
                             stepwise={"enabled": stepwise},
                         )
                         outputs = await run_episode(loop, {}, sample, mode)
-                        demonstrations += _demonstrations(outputs, task_id, record["kind"], mode)
+                        demonstrations += episode_demonstrations(outputs, task_id, record["kind"], mode)
     finally:
         await close_shared_clients()
     return demonstrations
 
 
-def _demonstrations(outputs: Any, task_id: str, kind: str, mode: str) -> list[Demonstration]:
+def episode_demonstrations(outputs: Any, task_id: str, kind: str, mode: str) -> list[Demonstration]:
     """One episode's samples (one, or one per step in step-wise mode) as demonstrations."""
     demonstrations = []
     for output in outputs:

@@ -1,38 +1,13 @@
 """A copy of a Qwen2 policy whose attention heads are wider, zero-padded, computing the same function and training
 the same way.
 
-Why: vLLM's CPU attention takes head sizes 32, 64, 80 and larger, and the tiny policies (``local/deal_policy``) have
-heads 16 wide (hidden 64, 4 heads). :func:`widen_heads` writes a folder whose heads are ``head_dim`` wide (32 by
-default) that verl's FSDP actor, transformers and vLLM all load, and whose logits equal the original's up to float
-rounding (:func:`max_logit_gap` measures it; the test holds it under :data:`LOGIT_TOLERANCE`).
-
-Why the copy is a Granite: vLLM 0.24.0's Qwen2 ignores ``config.head_dim`` (it takes ``hidden_size // num_heads``).
-Llama and Granite read it, but Llama divides ``q . k`` by ``sqrt(head_dim)``, so a Llama copy must scale its query
-rows by ``sqrt(D/d)`` to keep the function, and Adam then moves those rows ``sqrt(D/d)`` times too little in the
-original's terms: measured on the deal policy (hfcpu, 85 % failures, seed 0), the Llama copy went 0.35 -> 0.78
-held-back in 8 steps where the original went 0.40 -> 0.96. Granite, a Llama with multipliers, takes the attention
-scale from ``config.attention_multiplier``: set to the original's ``d ** -0.5``, every weight keeps its value and the
-optimiser sees the original's parameters. Its other multipliers (embedding, residual, logits) are 1. A Qwen2 is a
-Granite with biases on q, k and v and none on ``o_proj``; ``attention_bias=True`` puts one on all four, so the copy's
-``o_proj`` gets a zero bias. Training may move that bias off zero: the rollout (vLLM) and the actor (transformers)
-still run the same Granite, it is just no longer a Qwen2.
-
-How each head keeps its function (``d`` the old width, ``D`` the new one)
-    * Rotary embedding: in a head of width ``d`` (transformers' and vLLM's ``rotate_half`` layout, not interleaved),
-      dimension ``i < d/2`` is rotated together with ``i + d/2`` at frequency ``theta^(-2i/d)``. In the wide head,
-      dimension ``j < D/2`` pairs with ``j + D/2`` at ``theta^(-2j/D)``. Putting old dimension ``i`` at
-      ``j = i * D/d`` and old ``i + d/2`` at ``j + D/2`` keeps every pair and its frequency (``2j/D = 2i/d``) with
-      ``rope_theta`` unchanged. The other dimensions of q and k are zero rows (and zero bias), so they add nothing to
-      ``q . k``.
-    * Scale: ``attention_multiplier = d ** -0.5``, the original's.
-    * Values and output: old value dimension ``i`` stays at ``i``; the padded value rows and the matching
-      ``o_proj`` columns are zero.
-    * Training keeps the padding zero: a zero query dimension meets only zero key dimensions, so both get zero
-      gradient, and a zero value row feeds only a zero ``o_proj`` column (and the reverse), so with Adam (zero
-      gradient, zero update) the copy stays the same function as the original trained the same way would be.
-
-Only the attention projections change (and ``o_proj`` gains its zero bias); embeddings, MLP, norms, tokenizer and
-chat template are copied as they are.
+Contract: :func:`widen_heads` writes a folder whose heads are ``head_dim`` wide (32 by default; vLLM's CPU attention
+refuses the tiny policies' 16) that verl's FSDP actor, transformers and vLLM all load, with logits equal to the
+original's up to float rounding (:func:`max_logit_gap`; the test holds it under :data:`LOGIT_TOLERANCE`). The copy
+is a Granite whose ``attention_multiplier`` is the original's ``d ** -0.5``, so no weight is rescaled and Adam sees
+the original's parameters; each rotary pair keeps its frequency, and the padding stays zero under training. Only
+the attention projections change (``o_proj`` gains a zero bias). Why a Granite and how each head keeps its function:
+``docs/vllm-on-cpu.md#the-wide-head-copy``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Chaos runs of the real agent loop: inject infrastructure faults and policy mistakes, then check who got blamed.
 
-What a run does
-    Rollouts of the recipe's real ``BrowserToolAgentLoop`` (one loop object per episode, built as verl builds
-    them) run concurrently against one or more environment servers, driven by a scripted policy: first every cause
-    of the targeted phase at once, then a phase whose server is killed and restarted, then one with a 5xx burst.
-    Each rollout's first attempt gets one cause (:mod:`~nemo_gym_browser.testing.chaos_plan`).
+A run: rollouts of the recipe's real ``BrowserToolAgentLoop`` (one loop object per episode, built as verl builds
+them) run concurrently against one or more environment servers, driven by a scripted policy, in three phases (every
+cause at once, a server killed and restarted, a 5xx burst). Each rollout's first attempt, and only it, gets one cause
+(:mod:`~nemo_gym_browser.testing.chaos_plan`), aimed by session id (``<rollout id>.<attempt>.<n>``,
+:func:`parse_session_id`; a run fails loudly if one does not parse). Causes are settled by what happened, not by the
+plan: a planned fault that never fired leaves a policy outcome, and a first attempt the real server failed by itself
+is listed as the environment failing on its own.
 
-    Faults are aimed by session id: the loop names a rollout ``r<row index>-<hex>`` and the environment client
-    names its sessions ``<rollout id>.<attempt>.<n>``, so a server-side observer knows the row and the attempt
-    of every call (:func:`parse_session_id`; a run fails loudly if a session id does not parse). Only the first
-    attempt is faulted, so a resample can recover. Causes are settled by what happened, not by the plan: a planned
-    fault that never fired (the attempt ended first) leaves a policy outcome, and a first attempt that the real
-    server failed by itself (a call cut off or answered 5xx with no fault of ours, seen by the proxy) is listed as
-    the environment failing on its own.
-
-The parts
-    :mod:`~nemo_gym_browser.testing.chaos_plan` (causes, scripts, settings), this module (the run),
-    :mod:`~nemo_gym_browser.testing.chaos_backends` (the servers and how faults reach them),
-    :mod:`~nemo_gym_browser.testing.chaos_report` (what the run found, :class:`ChaosReport`).
+The parts: :mod:`~nemo_gym_browser.testing.chaos_plan` (causes, scripts, settings), this module (the run),
+:mod:`~nemo_gym_browser.testing.chaos_backends` (the servers and how faults reach them),
+:mod:`~nemo_gym_browser.testing.chaos_report` (what the run found, :class:`ChaosReport`).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ the share of rollout slots that still produced a valid sample; :meth:`ChaosRepor
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..sample_flags import SampleFlags
 from .chaos_plan import ALL_CAUSES, INFRA, JUDGE_DOWN, POLICY, Cause, ChaosSettings
 
 
@@ -25,18 +25,19 @@ class RolloutRecord:
     error: str | None = None
 
     @property
-    def flags(self) -> Mapping[str, Any]:
-        return getattr(self.output, "extra_fields", {}) or {}
+    def flags(self) -> SampleFlags | None:
+        """The flags the rollout's sample carries; None without a sample (or one without flags)."""
+        return SampleFlags.from_extra_fields(getattr(self.output, "extra_fields", None))
 
     @property
     def first_attempt(self) -> tuple[str, str | None]:
         """``(INFRA, kind)`` if the first attempt failed in the infrastructure, else ``(POLICY, None)``."""
-        kinds = self.flags.get("env_failed_attempt_kinds") or []
+        kinds = self.flags.failed_attempt_kinds if self.flags else ()
         return (INFRA, kinds[0]) if kinds else (POLICY, None)
 
     @property
     def valid(self) -> bool:
-        return self.output is not None and not self.flags.get("env_invalid", True)
+        return self.output is not None and self.flags is not None and not self.flags.invalid
 
 
 @dataclass
@@ -79,10 +80,10 @@ class ChaosReport:
         for record in self.records:
             if record.cause.side != POLICY or record.output is None:
                 continue
-            flags = record.flags
-            if record.cause.name == "out of time (deadline)" and not flags.get("deadline_hit"):
+            flags = record.flags or SampleFlags(invalid=True)
+            if record.cause.name == "out of time (deadline)" and not flags.deadline_hit:
                 wrong.append(record)
-            if record.cause.name == "judged task" and flags.get("reward_source") != "judge":
+            if record.cause.name == "judged task" and flags.reward_source != "judge":
                 wrong.append(record)
         return wrong
 
@@ -159,14 +160,15 @@ class ChaosReport:
             kind_text = ", ".join(f"{k} {n}" for k, n in sorted(kinds.get(name, {}).items()))
             label = f"{name} ({'infra' if sides[name] == INFRA else 'policy'})"
             lines.append(f"{label:<58} | {row[INFRA]:>6} | {row[POLICY]:>6} | {kind_text}")
-        resampled = [r for r in self.records if (r.flags.get("env_attempts") or 1) > 1]
-        again = sum(len(r.flags.get("env_failed_attempt_kinds") or []) > 1 for r in self.records)
+        flags = [r.flags for r in self.records if r.flags is not None]
+        resampled = [f for f in flags if f.attempts > 1]
+        again = sum(len(f.failed_attempt_kinds) > 1 for f in flags)
         lines.append(
             f"resampled rollouts: {len(resampled)}, of which a later attempt failed again: {again}; "
             f"valid samples: {sum(r.valid for r in self.valid_expected)}/{len(self.valid_expected)} = "
             f"{self.valid_fraction:.1%} (judge-down rows, kept flagged, not counted)"
         )
-        rollout_walls = [float(r.flags.get("env_episode_wall_s") or 0.0) for r in self.records]
+        rollout_walls = [f.episode_wall_s for f in flags]
         session, longest = self.longest_attempt
         lines.append(
             f"longest attempt: {longest:.2f} s (session {session}); longest rollout, all attempts and backoffs: "
@@ -181,7 +183,7 @@ class ChaosReport:
             side, kind = record.first_attempt
             lines.append(
                 f"  MISCLASSIFIED #{record.index} {record.cause.name}: recorded {side} {kind or ''} "
-                f"{record.error or record.flags.get('env_failure_reason') or ''}"[:200]
+                f"{record.error or (record.flags and record.flags.failure_reason) or ''}"[:200]
             )
         for text, ok in self.targets():
             lines.append(f"{'ok  ' if ok else 'MISS'} {text}")

@@ -1,25 +1,17 @@
 """An in-process fake of an OpenAI-compatible chat-completions server, scripted to misbehave like real judges.
 
-Contract it keeps (what vLLM's and hosted APIs' servers do):
-    * ``POST /v1/chat/completions`` with a JSON body holding ``model`` and ``messages``; ``GET /v1/models``.
-    * With ``api_key`` set, a missing or wrong ``Authorization: Bearer ...`` answers 401; an unknown model 404;
-      a body that is not a chat request 400. These checks run before the script and consume no behaviour.
-    * Answers come in one of two body shapes: ``"vllm"`` (``reasoning_content`` beside ``content``,
-      ``stop_reason``, ``prompt_logprobs``) or ``"hosted"`` (``refusal``, ``annotations``, ``system_fingerprint``,
-      a ``reasoning`` field when the behaviour has reasoning). Errors use the matching error-body shape.
+Contract it keeps (what vLLM's and hosted APIs' servers do): ``POST /v1/chat/completions`` and ``GET /v1/models``;
+with ``api_key`` set a missing or wrong bearer key answers 401, an unknown model 404, a body that is not a chat
+request 400 (checked before the script, consuming no behaviour); answers in the ``"vllm"`` or ``"hosted"`` body
+shape, errors in the matching error shape.
 
-Scripting
-    Each chat request takes the next :class:`Behaviour` queued with :meth:`FakeJudgeServer.script`, or the
-    default behaviour when the queue is empty. Factories below build the usual ones: :func:`verdict`,
-    :func:`with_reasoning`, :func:`hedge`, :func:`both_tokens`, :func:`token_only_in_reasoning`,
-    :func:`http_error`, :func:`rate_limited`, :func:`hang`, :func:`disconnect`, :func:`truncated`,
-    :func:`refusal`, :func:`content_filtered`, :func:`prompt_filtered`, :func:`malformed_body`,
-    :func:`no_choices`, :func:`echo_page`, :func:`decide`, :func:`on_policy_text` and :func:`echo_headers_error`.
-    Every request, accepted or not, is appended to ``requests``.
+Scripting: each chat request takes the next :class:`Behaviour` queued with :meth:`FakeJudgeServer.script`, or the
+default; the factories below build the usual ones (:func:`verdict`, :func:`hedge`, :func:`http_error`,
+:func:`rate_limited`, :func:`hang`, :func:`refusal`, :func:`on_policy_text`, ...). Every request, accepted or not,
+is appended to ``requests``.
 
-Lifetime
-    ``async with FakeJudgeServer() as server`` binds 127.0.0.1 on a free port and stops on exit; a hanging
-    behaviour is released when the server closes.
+Lifetime: ``async with FakeJudgeServer() as server`` binds 127.0.0.1 on a free port and stops on exit; a hanging
+behaviour is released when the server closes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Where the real WebVoyager files are (task list and reference answers, Apache-2.0), for tests and examples.
 
-They are not shipped with the recipe (docs/data.md says where they come from). The folder holding
-``WebVoyager_data.jsonl`` and ``reference_answer.json`` is ``$WEBVOYAGER_DATA_DIR`` when set, else
-``shared/data/webvoyager`` beside the recipe folder (``<recipe>/../shared/data/webvoyager``). A test that needs the
-files fails naming that folder when they are not there.
+They are not shipped with the recipe (``docs/data.md`` says where they come from and where the tests look). The
+folder holding ``WebVoyager_data.jsonl`` and ``reference_answer.json`` is ``$WEBVOYAGER_DATA_DIR`` when set, else
+:data:`DEFAULT_DIR`, a folder beside the clone, never a path of one machine. A test that needs the files fails
+naming that folder when they are not there.
 """
 
 from __future__ import annotations

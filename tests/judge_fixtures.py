@@ -29,7 +29,7 @@ async def make_judge(fake: FakeJudgeServer) -> AsyncIterator[MakeJudge]:
 
     def build(**overrides: object) -> BinaryJudge:
         values = {"base_url": fake.base_url, "model": fake.model, **FAST, **overrides}
-        judge = BinaryJudge.from_config(JudgeConfig.from_mapping(values))
+        judge = BinaryJudge(JudgeConfig.from_mapping(values))
         judges.append(judge)
         return judge
 

@@ -13,10 +13,10 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 from submit_fixtures import compose_recipe, script_overrides
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-from verl.experimental.agent_loop.tool_parser import HermesToolParser
+from verl.experimental.agent_loop.tool_parser import HermesToolParser, ToolParser
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
-from nemo_gym_browser import browser_agent_loop, preflight
+from nemo_gym_browser import preflight
 from nemo_gym_browser.browser_agent_loop import BrowserToolAgentLoop, running_under_v1_trainer
 from nemo_gym_browser.browser_calls import parse_tool_call
 from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema
@@ -129,9 +129,7 @@ def test_the_agent_loop_yaml_raises_verls_256_character_observation_cut(tokenize
     assert loop.max_tool_response_length == 8192
 
 
-def test_keeping_verls_observation_cut_is_warned_about(tokenizer, tools, caplog, monkeypatch):
-    monkeypatch.setattr("nemo_gym_browser.browser_agent_loop._warned", set())
-
+def test_keeping_verls_observation_cut_is_warned_about(tokenizer, tools, caplog):
     with caplog.at_level(logging.WARNING, logger="nemo_gym_browser.browser_agent_loop"):
         loop = make_loop(tokenizer, tools, max_tool_response_length=None)
 
@@ -314,11 +312,19 @@ async def test_the_lenient_parser_keeps_malformed_calls_so_verl_can_answer_them(
     assert upstream_calls[0] == calls[0]
 
 
-def test_the_loop_swaps_in_the_lenient_parser_only_for_hermes_and_when_enabled(tokenizer, tools, monkeypatch):
-    assert isinstance(make_loop(tokenizer, tools).tool_parser, LenientHermesToolParser)
-    monkeypatch.setattr(browser_agent_loop, "LENIENT_TOOL_CALL_PARSING", False)
-    strict = make_loop(tokenizer, tools).tool_parser
-    assert type(strict) is HermesToolParser
+async def test_a_hermes_loop_answers_a_malformed_call_and_other_formats_keep_verls_parser(tokenizer, tools):
+    malformed = tokenizer.encode(
+        '<tool_call>\n{"name": "browser", "arguments": {action: click}}\n</tool_call><|im_end|>',
+        add_special_tokens=False,
+    )
+    hermes = make_loop(tokenizer, tools)
+    other_format = compose_trainer_config(overrides=["actor_rollout_ref.rollout.multi_turn.format=qwen3_coder"])
+    qwen3_coder = make_loop(tokenizer, tools, trainer_config=other_format)
+
+    _, calls = await hermes.tool_parser.extract_tool_calls(malformed)
+    _, upstream_calls = await HermesToolParser(tokenizer).extract_tool_calls(malformed)
+    assert [call.name for call in calls] == ["browser"] and upstream_calls == []  # kept, so verl answers it
+    assert type(qwen3_coder.tool_parser) is type(ToolParser.get_tool_parser("qwen3_coder", tokenizer))
 
 
 def test_the_token_builder_follows_the_chat_family_setting_over_the_model_type(tokenizer, tools, monkeypatch):

@@ -6,7 +6,6 @@ import logging
 
 import pytest
 
-from nemo_gym_browser import browser_agent_loop
 from nemo_gym_browser.judge import BinaryJudge
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.in_process_loop import build_loop, make_row
@@ -152,9 +151,8 @@ async def test_a_task_with_verifier_metadata_is_verified_even_when_a_judge_is_co
 
 
 async def test_an_open_ended_task_without_a_configured_judge_is_flagged_judge_unusable_without_an_episode(
-    env, tokenizer, tools, trainer_config, caplog, monkeypatch
+    env, tokenizer, tools, trainer_config, caplog
 ):
-    monkeypatch.setattr(browser_agent_loop, "_warned", set())
     policy = sp.ScriptedPolicy(tokenizer, WALK)
     outputs = []
     with caplog.at_level(logging.WARNING, logger="nemo_gym_browser.browser_agent_loop"):

@@ -153,8 +153,11 @@ async def test_an_infrastructure_failure_invalidates_every_step_and_the_resample
 
 
 async def test_the_deadline_ends_a_stepwise_episode_scored_as_it_stands(run, server):
+    # Twenty observes take 2 s of browser time, twice the deadline; the first step starts well inside it even on a
+    # loaded machine.
+    server.set_latency(0.1, "browser_observe")
     outputs, _ = await run(
-        swp.walk(40, "x"), episode_deadline_s=0.05, row=make_row(task="Walk", verifier_metadata=ABOUT)
+        swp.walk(40, "x"), episode_deadline_s=1.0, row=make_row(task="Walk", verifier_metadata=ABOUT)
     )
 
     assert 1 <= len(outputs) < 40

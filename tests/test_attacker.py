@@ -28,7 +28,7 @@ from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser import trajectories as tj
 from nemo_gym_browser import trajectory_page as tp
 from nemo_gym_browser.credentials import BROWSER_SIDE_VARIABLES
-from nemo_gym_browser.dataset import BrowserJSONLDataset, RowError
+from nemo_gym_browser.dataset import BrowserJSONLDataset
 from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind
 from nemo_gym_browser.episode import BrowserEpisode
 from nemo_gym_browser.judge import BinaryJudge, JudgeEvidence
@@ -39,6 +39,7 @@ from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.local.in_process_loop import build_loop, make_row
 from nemo_gym_browser.server_answers import BROWSER_GONE_OPENINGS
 from nemo_gym_browser.settings import JudgeConfig, UrlPolicy
+from nemo_gym_browser.tasks import InputError
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.url_safety import UrlGuard
 
@@ -406,7 +407,7 @@ def test_the_dataset_refuses_a_row_whose_start_page_is_not_on_the_web(tmp_path, 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps(nemo_row("https://example.org/")) + "\n" + json.dumps(nemo_row(initial_url)) + "\n")
 
-    with pytest.raises(RowError, match=rf"^{rows}:2: 'initial_url'"):
+    with pytest.raises(InputError, match=rf"^{rows}:2: 'initial_url'"):
         BrowserJSONLDataset(str(rows))
 
 
@@ -439,7 +440,7 @@ def test_json_python_would_accept_but_a_row_must_not_carry_is_refused_naming_the
     err = capsys.readouterr().err
     assert f"{source}:2: " in err and said in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
-    with pytest.raises(RowError, match=rf"^{source}:2: .*{said}"):
+    with pytest.raises(InputError, match=rf"^{source}:2: .*{said}"):
         BrowserJSONLDataset(str(source))
 
 

@@ -111,7 +111,7 @@ async def test_every_injected_fault_is_blamed_on_the_infrastructure_no_policy_ou
     assert SERVER_KILLED.name in causes and BURST_5XX.name in causes, report.format()
     # The judge stayed down for all its retries: one episode, kept flagged, no new episode spent on it.
     judge_down = [r for r in report.records if r.cause.name == JUDGE_DOWN.name]
-    assert judge_down and all(r.flags["env_attempts"] == 1 and not r.valid for r in judge_down)
+    assert judge_down and all(r.flags.attempts == 1 and not r.valid for r in judge_down)
     # The burst (0.3 s, and on until each session held open on its server has called: at most one call timeout more)
     # ends before the close's retries (0.25, 0.75, 1.75 and 3.75 s after the first try): every browser is released.
     assert report.left_open_total == 0, report.format()
@@ -124,7 +124,7 @@ async def test_a_call_that_hangs_near_the_deadline_is_blamed_on_the_infrastructu
         )
 
     assert [r.first_attempt for r in report.records] == [(INFRA, "timeout")] * 2, report.format()
-    assert [r.flags["deadline_hit"] for r in report.records] == [False, False]
+    assert [r.flags.deadline_hit for r in report.records] == [False, False]
     # The deadline passed while the call hung: the attempt outlasted it, and still the server was blamed.
     _, longest = report.longest_attempt
     assert FAST.episode_deadline_s < longest <= report.attempt_bound_s + report.loop_lag_s, report.format()

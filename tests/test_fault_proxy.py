@@ -37,10 +37,12 @@ async def proxy(fake):
 
 
 def client_of(url: str) -> EnvironmentClient:
+    # Seconds, not tenths: on a loaded machine (event loops waking a second or two late) only a hung call may time
+    # out, never the calls before or after it; every hang here outlasts them.
     config = EnvironmentConfig(
         server_urls=(url,),
-        call_timeout_s=0.5,
-        verify_timeout_s=0.5,
+        call_timeout_s=3.0,
+        verify_timeout_s=3.0,
         seed_timeout_s=2,
         close_timeout_s=2,
         retry_backoff_s=0.01,

@@ -176,7 +176,9 @@ async def test_an_unusable_answer_is_retried_on_the_same_evidence_up_to_the_budg
     fake: FakeJudgeServer, make_judge: MakeJudge, behaviour: Behaviour, reason: str
 ) -> None:
     fake.default = behaviour  # answered without a verdict: the task alone is asked too, and fares no better
-    result = await make_judge(max_attempts=3, timeout_s=0.2).judge(evidence())
+    # Only the hang may time out: every other answer gets seconds, so a loaded machine cannot turn it into a timeout.
+    timeout_s = 0.2 if reason == "timed out" else 5.0
+    result = await make_judge(max_attempts=3, timeout_s=timeout_s).judge(evidence())
     assert result == Verdict(success=None, usable=False, reason=result.reason, attempts=len(fake.chat_requests))
     assert reason in result.reason
     bodies = [request.body for request in fake.chat_requests if request.data_block("final_answer") is not None]
@@ -254,13 +256,13 @@ async def test_a_hanging_judge_is_cut_off_by_the_per_request_timeout(
     loop = asyncio.get_running_loop()
     started = loop.time()
     result = await make_judge(max_attempts=1, timeout_s=0.2).judge(evidence())
-    assert 0.15 <= loop.time() - started < 2.0
+    assert 0.15 <= loop.time() - started < 0.2 + 4.0  # a loaded machine's slack; the hang never ends
     assert result.success is None and "timed out after 0.2s" in result.reason
 
 
 async def test_requests_never_exceed_max_concurrency(fake: FakeJudgeServer, make_judge: MakeJudge) -> None:
-    fake.default = verdict(True, delay_s=0.1)
-    judge = make_judge(max_concurrency=2)
+    fake.default = verdict(True, delay_s=0.25)
+    judge = make_judge(max_concurrency=2, timeout_s=5.0)  # no answer may time out, even on a loaded machine
     results = await asyncio.gather(*(judge.judge(evidence(final_answer=f"answer {i}")) for i in range(6)))
     assert all(result.success is True for result in results)
     assert fake.max_in_flight == 2
@@ -290,7 +292,6 @@ async def test_identical_evidence_is_judged_once(fake: FakeJudgeServer, make_jud
     assert len(fake.chat_requests) == 1
     assert (first.success, first.attempts, first.cached) == (False, 1, False)
     assert (second.success, second.attempts, second.cached) == (False, 0, True)
-    assert judge.stats.cache_hits == 1
 
 
 async def test_different_evidence_is_judged_again(fake: FakeJudgeServer, make_judge: MakeJudge) -> None:
@@ -303,20 +304,20 @@ async def test_different_evidence_is_judged_again(fake: FakeJudgeServer, make_ju
 
 async def test_concurrent_identical_evidence_shares_one_request(fake: FakeJudgeServer, make_judge: MakeJudge) -> None:
     fake.default = verdict(True, delay_s=0.1)
-    judge = make_judge()
+    judge = make_judge(timeout_s=5.0)  # the one request may not time out, even on a loaded machine
     results = await asyncio.gather(*(judge.judge(evidence(rollout_id=f"r{i}")) for i in range(8)))
     assert len(fake.chat_requests) == 1
     assert all(result.success is True for result in results)
     assert sum(result.attempts for result in results) == 1  # attempts add up to the requests sent
     assert sum(result.cached for result in results) == 7
-    assert judge.stats.inflight_joins == 7
 
 
 async def test_a_cancelled_caller_does_not_cancel_a_request_others_wait_for(
     fake: FakeJudgeServer, make_judge: MakeJudge
 ) -> None:
-    fake.default = verdict(True, delay_s=0.15)
-    judge = make_judge()
+    # The answer comes seconds after the request: on a loaded machine the cancel still lands while it is in flight.
+    fake.default = verdict(True, delay_s=3.0)
+    judge = make_judge(timeout_s=10.0)
     first = asyncio.create_task(judge.judge(evidence()))
     await asyncio.sleep(0.02)
     second = asyncio.create_task(judge.judge(evidence()))
@@ -452,14 +453,14 @@ async def test_the_api_key_is_sent_but_never_appears_in_logs_errors_or_reprs(
         config = JudgeConfig.from_mapping(
             {"base_url": server.base_url, "model": server.model, "api_key_env": "FAKE_JUDGE_KEY", **FAST}
         )
-        judge = BinaryJudge.from_config(config.model_copy(update={"max_attempts": 1}))
+        judge = BinaryJudge(config.model_copy(update={"max_attempts": 1}))
         behaviours = [verdict(True), *(echo_headers_error(pad) for pad in range(0, 48, 6)), hang(), disconnect()]
         server.script(*behaviours)
         for i in range(len(behaviours)):
             seen.append(repr(await judge.judge(evidence(final_answer=f"answer {i}", rollout_id=f"r{i}"))))
-        seen += [repr(judge), str(judge), repr(config), repr(judge.stats), repr(vars(judge))]
+        seen += [repr(judge), str(judge), repr(config), repr(vars(judge))]
         await judge.close()
-        wrong = BinaryJudge.from_config(config)
+        wrong = BinaryJudge(config)
         server.api_key = "another-key"  # the server now refuses the key: a 401 must not echo it either
         seen.append(repr(await wrong.judge(evidence())))
         await wrong.close()
@@ -488,7 +489,6 @@ def test_a_missing_api_key_variable_is_a_config_error_naming_the_variable(monkey
 def test_a_judge_given_only_its_endpoint_is_keyless_at_temperature_zero() -> None:
     config = JudgeConfig.from_mapping(ENDPOINT)
     assert config.temperature == 0.0 and config.api_key_env is None
-    assert BinaryJudge.from_config(ENDPOINT).config == config
 
 
 def test_config_values_given_as_strings_are_converted_and_typos_raise() -> None:

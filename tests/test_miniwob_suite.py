@@ -219,3 +219,16 @@ def test_the_manuals_tables_are_the_measured_solver_table_and_the_inventorys_exc
     assert f"{summary['episodes']} episodes in {summary['play_s']:.0f} s" in manual
     assert f"{summary['episodes_per_minute']:.0f} episodes per minute" in manual
     assert f"load average {summary['machine']['load_average_1min']:.1f} when the run started" in manual
+
+
+def test_a_browser_that_goes_away_mid_answer_is_no_error_of_the_sites_but_anything_else_still_is(capsys):
+    from nemo_gym_browser.local.miniwob.site import _Server
+
+    server = _Server.__new__(_Server)  # the error hook only: no socket
+    for error in (BrokenPipeError(32, "Broken pipe"), ValueError("a bug")):
+        try:
+            raise error
+        except Exception:
+            server.handle_error(None, ("127.0.0.1", 1))
+    printed = capsys.readouterr().err
+    assert "ValueError: a bug" in printed and "BrokenPipeError" not in printed

@@ -32,6 +32,8 @@ def package_modules(root: Path = ROOT) -> dict[str, Path]:
 def _imports(tree: ast.AST, *, type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
     """Every import statement, at any depth; those under ``if TYPE_CHECKING:`` only when ``type_checking``."""
     for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+            continue  # a module run as a script is ``__main__``: what it imports then is no import of the module
         if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             yield from (n for child in node.orelse for n in _imports(ast.Module([child], []), type_checking=False))
             continue

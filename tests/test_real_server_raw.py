@@ -22,7 +22,7 @@ import pytest
 
 from nemo_gym_browser.launch_environment import BrowserState, LocalEnvironment
 from nemo_gym_browser.local.local_site import LocalSite
-from nemo_gym_browser.rows import VerifierMetadataError, validate_verifier_metadata
+from nemo_gym_browser.rows import RowValueError, validate_verifier_metadata
 
 pytestmark = pytest.mark.integration
 
@@ -252,7 +252,7 @@ async def test_the_server_grades_only_the_first_known_key_present_whatever_else_
     assert status == 200
     assert (body["reward"], body["failure_reason"]) == (expected, None)
     if rule == REFUSED:
-        with pytest.raises(VerifierMetadataError):
+        with pytest.raises(RowValueError):
             validate_verifier_metadata(verifier)
     else:
         assert validate_verifier_metadata(verifier) == rule
@@ -266,7 +266,7 @@ async def test_a_number_in_url_contains_is_reported_as_an_unreachable_browser_no
         status, body = await post(http, f"{env.url}/verify", VERIFY_BODY)
     assert status == 200 and body["reward"] == 0.0
     assert body["failure_reason"].startswith("browser unreachable while scoring: TypeError: ")
-    with pytest.raises(VerifierMetadataError, match="must be a non-empty string, got 1999"):
+    with pytest.raises(RowValueError, match="must be a non-empty string, got 1999"):
         validate_verifier_metadata({"url_contains": 1999})
 
 

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 
 from nemo_gym_browser import environment, preflight, tasks
-from nemo_gym_browser.dataset import BrowserJSONLDataset, RowError
-from nemo_gym_browser.rows import VERIFIER_KEYS, VerifierMetadataError, validate_verifier_metadata
+from nemo_gym_browser.dataset import BrowserJSONLDataset
+from nemo_gym_browser.rows import VERIFIER_KEYS, RowValueError, validate_verifier_metadata
+from nemo_gym_browser.tasks import InputError
 
 
 def refusal(spec: Any) -> str:
-    with pytest.raises(VerifierMetadataError) as raised:
+    with pytest.raises(RowValueError) as raised:
         validate_verifier_metadata(spec)
     return str(raised.value)
 
@@ -85,7 +86,7 @@ def test_a_spec_that_is_not_an_object_is_refused(spec):
 
 
 def test_a_refusal_is_a_value_error_so_callers_catching_value_error_still_catch_it():
-    assert issubclass(VerifierMetadataError, ValueError)
+    assert issubclass(RowValueError, ValueError)
 
 
 # ------------------------------------------------------------------------------------ every entry point, one rule
@@ -124,7 +125,7 @@ def through_the_dataset(spec: Any, tmp_path: Path) -> Entry:
     def load() -> Any:
         return BrowserJSONLDataset([str(path)])[0]["tools_kwargs"]["browser"]["create_kwargs"]["verifier_metadata"]
 
-    return f"{path}:1", RowError, load
+    return f"{path}:1", InputError, load
 
 
 def through_preflight(spec: Any, tmp_path: Path) -> Entry:
@@ -151,7 +152,7 @@ def test_every_entry_point_refuses_what_the_rule_refuses_with_the_rule_s_message
 
 @pytest.mark.parametrize("spec", BAD_SPECS)
 def test_the_environment_client_exports_the_same_rule_for_callers_without_a_location(spec):
-    with pytest.raises(VerifierMetadataError) as raised:
+    with pytest.raises(RowValueError) as raised:
         environment.validate_verifier_metadata(spec)
     assert str(raised.value) == refusal(spec)
 

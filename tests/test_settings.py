@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from nemo_gym_browser import settings as st
+from nemo_gym_browser import settings_reference as ref
 from nemo_gym_browser.settings import (
     BrowserLoopSettings,
     EnvironmentConfig,
@@ -90,11 +92,11 @@ def test_every_setting_has_a_description():
 
 def test_the_configuration_reference_is_the_one_the_models_generate():
     # Regenerate with: python -m nemo_gym_browser.settings --reference --output docs/configuration.md
-    assert (RECIPE / "docs" / "configuration.md").read_text(encoding="utf-8") == st.configuration_reference()
+    assert (RECIPE / "docs" / "configuration.md").read_text(encoding="utf-8") == ref.configuration_reference()
 
 
 def test_the_reference_has_a_row_for_every_setting_with_its_default():
-    text = st.configuration_reference()
+    text = ref.configuration_reference()
     for model in MODELS:
         assert f"## `{model.section}`" in text
         for name in model.model_fields:
@@ -105,14 +107,21 @@ def test_the_reference_has_a_row_for_every_setting_with_its_default():
 
 def test_the_reference_cli_writes_the_file_and_check_reports_a_stale_one(tmp_path, monkeypatch, capsys):
     written = tmp_path / "configuration.md"
-    assert st.main(["--reference", "--output", str(written)]) == 0
-    assert written.read_text(encoding="utf-8") == st.configuration_reference()
+    assert ref.main(["--reference", "--output", str(written)]) == 0
+    assert written.read_text(encoding="utf-8") == ref.configuration_reference()
 
-    monkeypatch.setattr(st, "REFERENCE_PATH", written)
-    assert st.main(["--check"]) == 0
+    monkeypatch.setattr(ref, "REFERENCE_PATH", written)
+    assert ref.main(["--check"]) == 0
     written.write_text("stale\n", encoding="utf-8")
-    assert st.main(["--check"]) == 1
+    assert ref.main(["--check"]) == 1
     assert "out of date" in capsys.readouterr().err
+
+
+def test_python_dash_m_settings_still_runs_the_reference_command_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "nemo_gym_browser.settings", "--check"], capture_output=True, text=True, timeout=120
+    )
+    assert (result.returncode, result.stderr) == (0, "")
 
 
 def test_a_typo_in_a_judge_setting_names_the_key_and_the_keys_allowed_there():
@@ -153,8 +162,8 @@ def variables_read_anywhere() -> dict[str, str]:
 
 def test_every_environment_variable_the_code_reads_is_in_the_reference_and_no_other():
     read = variables_read_anywhere()
-    listed = {variable.name for variable in st.ENVIRONMENT_VARIABLES}
-    text = st.configuration_reference()
+    listed = {variable.name for variable in ref.ENVIRONMENT_VARIABLES}
+    text = ref.configuration_reference()
 
     assert {name: where for name, where in read.items() if name not in listed} == {}
     assert sorted(listed - set(read)) == []
@@ -249,7 +258,7 @@ def test_the_config_env_settings_in_the_reference_are_those_the_submit_script_pa
     assert passed == {item.setting for item in st.CONFIG_ENV_SETTINGS}
     example = (RECIPE / "config.env.example").read_text()
     assert all(f"\n{item.variable}=" in example for item in st.CONFIG_ENV_SETTINGS)
-    assert "| `nemo_gym_browser.stepwise.enabled` | `SAMPLE_MODE` |" in st.configuration_reference()
+    assert "| `nemo_gym_browser.stepwise.enabled` | `SAMPLE_MODE` |" in ref.configuration_reference()
 
 
 @pytest.mark.parametrize(("mode", "enabled"), [("trajectory", "false"), ("stepwise", "true")])

@@ -34,17 +34,20 @@ from verl.trainer.ppo.v1.utils import MetricsAggregator
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from nemo_gym_browser import dropped_rollouts, patches, wiring
-from nemo_gym_browser.episode_metrics import FAILURE_KINDS, FLAG_KEYS, episode_metrics, metrics_from_columns
+from nemo_gym_browser.episode_metrics import FAILURE_KINDS, episode_metrics, metrics_from_columns
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 from nemo_gym_browser.local.environment_server.site_model import BUNDLED_ROOT
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.local.in_process_loop import compose_trainer_config, make_row
+from nemo_gym_browser.sample_flags import FLAG_KEYS, SampleFlags
 
 ABOUT = {"url_contains": "about.html"}
 ROLLOUT_TIMEOUT_S = 120
 # A rollout that could not open a session on either attempt, as the loop records it when it drops it.
-DROPPED = dict(failure_kind="seed_failed", attempts=2, failed_attempt_kinds=["seed_failed"] * 2, episode_wall_s=1.5)
+DROPPED = SampleFlags(
+    invalid=True, failure_kind="seed_failed", attempts=2, failed_attempt_kinds=("seed_failed",) * 2, episode_wall_s=1.5
+)
 # The step every flagged batch below must report: one clean sample, one still failing after both attempts, one
 # recovered on its second attempt (every failure a 503 from the environment).
 EXPECTED = {
@@ -293,7 +296,7 @@ async def test_with_the_drop_switch_on_each_dropped_rollout_counts_once_at_the_s
     # An async trainer: a group generated now is trained a step later. Its drop waits with the group.
     later = str(uuid.uuid4())
     tq.kv_put(key=later, partition_id="train", tag={"is_prompt": True, "status": "finished", "global_steps": 2})
-    await dropped_rollouts.record(later, **DROPPED)
+    await dropped_rollouts.record(later, DROPPED)
     while_waiting: dict = {}
     trainer._compute_metrics(batch, while_waiting, {"step": 1.0}, global_steps=2, epoch=0)
     tq.kv_clear(keys=[later], partition_id="train")  # what the replay buffer does when it samples the group
@@ -315,7 +318,7 @@ def test_validation_reports_its_dropped_rollouts_and_keeps_them_out_of_the_train
     trainer = object.__new__(PPOTrainerSync)  # _val_metrics_update reads nothing of the trainer's state
     validation, training = str(uuid.uuid4()), str(uuid.uuid4())
     for uid in (validation, validation, training):
-        asyncio.run(dropped_rollouts.record(uid, **DROPPED))
+        asyncio.run(dropped_rollouts.record(uid, DROPPED))
     survivors = {"reward": [1.0, 0.0], "env/invalid": [0.0, 0.0]}  # two of the group's four rollouts kept
 
     metrics = trainer._val_metrics_update(
@@ -336,13 +339,13 @@ def test_a_rollout_dropped_in_another_process_reaches_the_trainers_process(tq):
 
         from nemo_gym_browser import dropped_rollouts as ledger
 
-        asyncio.run(ledger.record(uid, **DROPPED))
+        asyncio.run(ledger.record(uid, DROPPED))
         return os.getpid()
 
     uid = str(uuid.uuid4())
     assert ray.get(drop_one.remote(uid), timeout=ROLLOUT_TIMEOUT_S) != os.getpid()
 
-    assert [row["env_failure_kind"] for row in dropped_rollouts.take(only={uid})] == ["seed_failed"]
+    assert dropped_rollouts.take(only={uid}) == [DROPPED]
     assert dropped_rollouts.take(only={uid}) == []
 
 

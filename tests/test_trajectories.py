@@ -80,7 +80,7 @@ async def test_each_rollout_writes_one_record_with_its_steps_flags_reward_and_ve
     }
     assert record["failed_attempt_kinds"] == []
     assert [step["action"] for step in record["steps"]] == ["observe", "click", "finish"]
-    assert record["steps"][1]["arguments"] == "element_id=1" and record["steps"][1]["result"] == "ok"
+    assert record["steps"][1]["arguments"] == {"element_id": 1} and record["steps"][1]["outcome"] == "ok"
     times = [step["at_s"] for step in record["steps"]]
     assert times == sorted(times) and times[0] >= 0
     assert record["final_answer"] == "ALPHA-42"

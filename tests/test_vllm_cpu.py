@@ -214,6 +214,12 @@ def test_vllm_rollout_serves_the_actor_and_weight_syncs_take_effect_or_raise(wid
     assert not {name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith("psm_")}
 
 
+@pytest.fixture(scope="module")
+def loop_report(wide_policy: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """The cancel and tools stages of ``loop_check``, on one vLLM server (a start costs about a minute here)."""
+    return _loop_check(wide_policy, tmp_path_factory.mktemp("loop_check"), "cancel", "tools")
+
+
 def _loop_check(wide_policy: Path, tmp_path: Path, *stages: str) -> tuple[dict, str]:
     """``python -m nemo_gym_browser.local.vllm_cpu.loop_check`` with .venv-vllm's interpreter: its report and the
     tail of its output; no /dev/shm segment of vLLM's left behind."""
@@ -234,12 +240,12 @@ def _loop_check(wide_policy: Path, tmp_path: Path, *stages: str) -> tuple[dict, 
 
 @pytest.mark.vllm_cpu
 @needs_vllm_venv
-def test_a_generation_cut_by_generate_within_stops_decoding_on_the_vllm_server(wide_policy: Path, tmp_path: Path):
+def test_a_generation_cut_by_generate_within_stops_decoding_on_the_vllm_server(loop_report: tuple[dict, str]):
     """verl's LLMServerClient on the vllm path passes rollout_cancel's check; a request cut by a plain wait_for goes
     on decoding on the server, the same request cut by generate_within leaves vLLM's engine at once."""
-    report, tail = _loop_check(wide_policy, tmp_path, "cancel")
+    report, tail = loop_report
     stages = {stage["name"].split(":")[0]: stage["figures"] for stage in report["stages"]}
-    assert list(stages) == ["server up", "client", "cancel"], tail
+    assert list(stages) == ["server up", "client", "cancel", "tools"], tail
     assert stages["client"]["client"] == "verl.workers.rollout.llm_server.LLMServerClient"
     assert stages["client"]["tracked"] is True
     cancel = stages["cancel"]
@@ -253,12 +259,12 @@ def test_a_generation_cut_by_generate_within_stops_decoding_on_the_vllm_server(w
 
 @pytest.mark.vllm_cpu
 @needs_vllm_venv
-def test_the_recipes_hermes_parser_reads_the_tool_calls_vllm_generates(wide_policy: Path, tmp_path: Path):
+def test_the_recipes_hermes_parser_reads_the_tool_calls_vllm_generates(loop_report: tuple[dict, str]):
     """Deal-task episodes through BrowserToolAgentLoop with verl's client in front of vLLM: every turn vLLM generated
     parses into the same browser calls as a plain JSON reading of its text; greedy tokens equal the HF argmax."""
-    report, tail = _loop_check(wide_policy, tmp_path, "tools")
+    report, tail = loop_report
     stages = {stage["name"].split(":")[0]: stage["figures"] for stage in report["stages"]}
-    assert list(stages) == ["server up", "tools"], tail
+    assert list(stages) == ["server up", "client", "cancel", "tools"], tail
     tools = stages["tools"]
     assert tools["turns"] >= tools["episodes"] == 32, tail
     assert tools["parser agrees"] == tools["turns"], report["details"]["tools"]["disagreements"]

@@ -1,59 +1,16 @@
 """A CPU trainer backend so verl 0.9.1's real ``python -m verl.trainer.main_ppo`` runs on a machine without a GPU.
 
-What it is, and what it is not
-    A stand-in for vLLM (and for the CUDA platform) on machines without a GPU, for tests, CI and the local
-    rehearsal. It trains tiny models slowly and honestly; it is never a default and never belongs on a GPU node:
-    nothing selects it unless the environment and overrides below are given, and both halves refuse to start on
-    a host where ``torch.cuda.is_available()`` unless ``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1`` (selecting it on a
-    GPU node is a configuration mistake that would silently train on the CPU).
+A stand-in for vLLM and the CUDA platform, for tests, CI and the local rehearsal; never a default and never on a
+GPU node: nothing selects it unless :func:`cpu_env` and :func:`cpu_overrides` are given, and both halves refuse to
+start where ``torch.cuda.is_available()`` unless ``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1``. The halves (``plugin``
+registers both in every process that imports verl): ``platform``, a verl platform named ``cpu``
+(``VERL_PLATFORM=cpu``: ``torch.cpu``, gloo, two workarounds for verl 0.9.1 on CPU); ``rollout``, a rollout backend
+named ``hfcpu`` whose Ray actor (``server.HFCpuServer``) serves a Hugging Face model token-in/token-out with
+verl's sampling parameters, log-probs, aborts and per-step weight updates.
 
-Why it stays beside verl's own vLLM rollout (``local/vllm_cpu``, ``training_run --engine vllm``), measured
-    ``bench/engines.py`` (``bench/engines.json``): on CPU, vLLM decodes 2.2x faster at 64 requests in flight and
-    1.5x at 16, but 0.4x for one request; its server starts in 46-54 s against 6-7 s here, and each of its processes
-    holds ~0.7 GB more (PyPI's torch 2.11 is a CUDA build). The CPU tier's runs are a few steps of small batches,
-    where vLLM's start-up outweighs what it saves, and ``.venv`` keeps the CPU torch 2.13 it needs for everything
-    else; the vLLM path is tested in its own tier (``pytest -m vllm_cpu``) and the learning benchmark runs on either.
-
-The two halves (``plugin`` registers both in every process that imports verl)
-    * ``platform``: a verl platform named ``cpu`` (``VERL_PLATFORM=cpu``): ``torch.cpu`` as the device module,
-      gloo for collectives, and two narrow workarounds for verl 0.9.1 on CPU, installed only with that platform.
-    * ``rollout``: a rollout backend named ``hfcpu`` (``actor_rollout_ref.rollout.name=hfcpu``): a Ray actor
-      (``server.HFCpuServer``) holding a Hugging Face transformers model, token-in/token-out, with verl's sampling
-      parameters, log-probs, EOS, abort and per-step weight updates from the actor.
-
-How to run ``main_ppo`` on CPU (one source of truth: :func:`cpu_env` and :func:`cpu_overrides`)
-    Environment (``cpu_env()``), exported before Ray starts so every Ray worker inherits it::
-
-        VERL_USE_EXTERNAL_MODULES=nemo_gym_browser.local.cpu_backend.plugin  # registers cpu + hfcpu everywhere
-        VERL_PLATFORM=cpu                       # verl's explicit platform override
-        VERL_ENGINE_DEVICE=cuda                 # verl's FSDP engine is registered for cuda/npu only; its code is
-                                                # device-agnostic (it goes through the platform)
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0     # Ray keeps a 127.0.0.1 node address instead of the outward one
-        RAY_USAGE_STATS_ENABLED=0               # Ray would otherwise report usage to an outside server
-        OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-
-    Hydra overrides (``cpu_overrides()``), besides the run's own data, model and batch sizes::
-
-        trainer.device=cpu trainer.nnodes=1 trainer.n_gpus_per_node=1
-        +ray_kwargs.ray_init.num_gpus=1          # a logical "GPU" resource: verl's resource pool counts only GPU/NPU
-        ray_kwargs.ray_init.num_cpus=16          # logical CPUs, so verl's many 1-CPU actors can be scheduled on 2 cores
-        +ray_kwargs.ray_init._node_ip_address=127.0.0.1 +ray_kwargs.ray_init.include_dashboard=False
-        actor_rollout_ref.rollout.name=hfcpu actor_rollout_ref.rollout.mode=async
-        actor_rollout_ref.rollout.tensor_model_parallel_size=1
-        actor_rollout_ref.rollout.dtype=float32  # bf16 matmuls are slow on most CPUs
-        +actor_rollout_ref.rollout.engine_kwargs.hfcpu.num_threads=1
-        actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2  # the FSDP path run on CPU here
-        +actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32  # compute as the rollout does, so
-        +actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32    # rollout and actor log-probs agree
-        +actor_rollout_ref.model.override_config.attn_implementation=sdpa   # no flash-attn on CPU
-        actor_rollout_ref.model.use_remove_padding=False                    # remove-padding needs flash-attn
-        transfer_queue.backend.SimpleStorage.num_data_storage_units=1   # one storage actor is enough on 2 cores
-
-    ``python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir DIR`` builds a toy model, data and
-    reward and runs ``main_ppo`` with exactly these settings.
-
-Importing this package is cheap: no torch, verl or Ray import happens here.
+:func:`cpu_env` (exported before Ray starts) and :func:`cpu_overrides` are the one source of the settings; why each:
+``docs/rehearsal-and-cpu-training.md#the-cpu-backend-in-detail``. Importing this package is cheap: no torch, verl
+or Ray import happens here.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Run verl's real ``main_ppo`` on CPU: the ``cpu`` platform, the ``hfcpu`` rollout, a random tiny model, a toy reward.
 
-What it does
-    Writes a tiny seeded Qwen2 (``toy.save_random_policy``) and a 4-row parquet data set into ``--workdir``, then runs
-    ``python -m verl.trainer.main_ppo`` with ``single_turn_agent``, GRPO, the toy reward of ``toy.compute_score``,
-    :func:`cpu_env` over the current environment and :func:`cpu_overrides` plus :func:`toy_overrides` (and any
-    overrides after ``--``). Ray runs on 127.0.0.1 without a dashboard and stops with the run.
-
-It is a hand check of the whole training step on a machine without a GPU (rollout with log-probs, reward,
-old/ref log-probs, GRPO advantage, actor update, weight sync back to the rollout), not a CI test. Measured on the
-project machine (2 cores shared with other work, load average about 10): 122 s from start to exit, step 1 14.8 s
-(it starts the agent-loop workers), step 2 2.4 s (generation 2.0 s of it), a peak of 3.9 GiB proportional set size
-over the job's 20 processes, and ``training/rollout_probs_diff_max`` 2.4e-6 on both steps (the rollout's log-probs
-against the actor's recomputed ones, after each weight sync).
+Writes a tiny seeded Qwen2 (``toy.save_random_policy``) and a 4-row parquet data set into ``--workdir``, then runs
+``python -m verl.trainer.main_ppo`` with ``single_turn_agent``, GRPO, the toy reward of ``toy.compute_score``,
+:func:`cpu_env` over the current environment and :func:`cpu_overrides` plus :func:`toy_overrides` (and any
+overrides after ``--``). Ray runs on 127.0.0.1 without a dashboard and stops with the run. A hand check of the whole
+training step on a machine without a GPU, not a CI test (what it measured:
+``docs/rehearsal-and-cpu-training.md#the-cpu-backend-in-detail``).
 
 Examples::
 
     python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo
-    python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo --steps 3 \\
+    python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo --steps 3 \
         -- actor_rollout_ref.rollout.n=4
     python -m nemo_gym_browser.local.cpu_backend.main_ppo_cpu --workdir /tmp/cpu-ppo --print-only
 

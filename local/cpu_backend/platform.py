@@ -1,27 +1,16 @@
 """The ``cpu`` verl platform: what verl's device-agnostic code needs to run with no accelerator at all.
 
-A stand-in for the CUDA platform on machines without a GPU, for tests, CI and the local rehearsal; never a default
-and never on a GPU node.
+A stand-in for the CUDA platform for tests, CI and the local rehearsal; never a default and never on a GPU node.
 
-What it owns
-    * :class:`PlatformCPU`, registered with verl's ``PlatformRegistry`` as ``cpu`` when this module is imported.
-      verl picks it only through ``VERL_PLATFORM=cpu``: its ``is_platform_available`` is always false, so verl's
-      auto-detection never lands on it. Creating it on a host where ``torch.cuda.is_available()`` raises, unless
-      ``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1``.
-    * :class:`CpuDeviceModule`, what ``get_torch_device()`` returns in place of ``torch.cuda``: ``torch.cpu`` for
-      what it has (``current_device() == "cpu"``, streams, ``synchronize``), plus the memory and RNG calls verl
-      makes, answered from the process (resident set size, the CPU generator). Anything else raises
-      ``AttributeError``: a verl call site this module does not know should fail loudly, not do nothing.
-    * Two workarounds for blockers of verl 0.9.1 on CPU, installed by :func:`install_workarounds` at import and
-      only when ``VERL_PLATFORM=cpu`` (before verl's worker modules bind the names they patch; the backend's plugin
-      module is imported by ``import verl`` itself):
-        - ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
-          ``f"cpu:gloo,{device}:{backend}"``, which is ``"cpu:gloo,cpu:gloo"`` here and torch rejects ("Duplicate
-          device type cpu"); with no backend given, the wrapper passes plain ``"gloo"``.
-        - verl's FSDP engine gives the reference model (``forward_only``) and offloaded actors
-          ``CPUOffloadPolicy(pin_memory=True)``, and pinning host memory needs an accelerator ("Cannot access
-          accelerator device when none is available"); ``verl.utils.fsdp_utils.CPUOffloadPolicy``, the name the
-          engine imports, becomes a subclass that never pins (there is no device copy to speed up).
+Contract: :class:`PlatformCPU`, registered with verl's ``PlatformRegistry`` as ``cpu`` at import, is picked only
+through ``VERL_PLATFORM=cpu`` (its ``is_platform_available`` is always false). :class:`CpuDeviceModule` is what
+``get_torch_device()`` returns in place of ``torch.cuda``: ``torch.cpu`` plus the memory and RNG calls verl makes,
+answered from the process; anything else raises ``AttributeError``, so an unknown verl call site fails loudly.
+:func:`install_workarounds` (at import, only under ``VERL_PLATFORM=cpu``) patches two blockers of verl 0.9.1 on CPU:
+the duplicate ``cpu:gloo`` process-group backend and ``CPUOffloadPolicy(pin_memory=True)``.
+
+Errors: creating the platform where ``torch.cuda.is_available()`` raises, unless
+``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1``. Details: ``docs/rehearsal-and-cpu-training.md#the-cpu-backend-in-detail``.
 """
 
 from __future__ import annotations

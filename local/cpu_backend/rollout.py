@@ -1,26 +1,15 @@
 """The ``hfcpu`` rollout backend: verl's replica and in-worker adapter around :class:`server.HFCpuServer`.
 
-A stand-in for vLLM on machines without a GPU, for tests, CI and the local rehearsal; never a default and never on
-a GPU node: the replica refuses to start unless verl runs on the ``cpu`` platform (or
-``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1``).
+A stand-in for vLLM for tests, CI and the local rehearsal; the replica refuses to start unless verl runs on the
+``cpu`` platform (or ``NEMO_GYM_BROWSER_CPU_BACKEND_FORCE=1``).
 
-The pieces, as verl 0.9.1 splits a rollout backend (``vllm_rollout`` has the same three)
-    * :class:`HFCpuReplica` (``RolloutReplicaRegistry`` name ``hfcpu``): ``launch_servers()`` starts one
-      :class:`HFCpuServer` Ray actor per replica, named ``hfcpu_server_<replica_rank>``, with no CPU reserved (it
-      only decodes while the trainer waits for rollouts) and a ``max_concurrency`` that admits every request.
-      Supported in hybrid mode only (actor and rollout colocated, weights synced in process: the sync and
-      colocate-async V1 trainers and the legacy trainer); standalone and colocated replicas raise.
-      ``abort_request`` mirrors vLLM's replica; everything else is ``RolloutReplica``'s own fan-out to the server.
-      What verl 0.9.1's trainers call on it: ``sleep`` (every step and before loading a checkpoint),
-      ``abort_all_requests``/``resume_generation`` (colocate-async trainer), ``start_profile``/``stop_profile``
-      (rollout profiling). ``wake_up`` and the kv-cache calls come only from non-naive checkpoint engines and
-      reward-model replicas, which ``hfcpu`` does not support: the server does not have them, so such a call fails
-      loudly instead of doing nothing.
-    * :class:`HFCpuServerAdapter` (verl's rollout registry, ``("hfcpu", "async")``): the ``BaseRollout`` inside each
-      actor worker. With the naive checkpoint engine the trainer calls ``update_weights(weights, global_steps=...)``
-      every step with a generator of the actor's full tensors; every rank drains it (FSDP gathers each tensor
-      collectively), the replica's first rank sends them to its server, which also records ``global_steps``.
-      ``resume``/``release`` have nothing to do on CPU (no device memory was released).
+Contract, as verl 0.9.1 splits a rollout backend: :class:`HFCpuReplica` (registry name ``hfcpu``) starts one
+:class:`HFCpuServer` Ray actor per replica, ``hfcpu_server_<replica_rank>``, in hybrid mode only (standalone and
+colocated replicas raise); calls the server does not have (``wake_up``, the kv-cache calls of non-naive checkpoint
+engines and reward-model replicas) fail loudly. :class:`HFCpuServerAdapter` (``("hfcpu", "async")``) is the
+``BaseRollout`` in each actor worker: every rank drains ``update_weights``' generator of full tensors and the
+replica's first rank sends them to its server with ``global_steps``. Details:
+``docs/rehearsal-and-cpu-training.md#the-cpu-backend-in-detail``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """verl's sampling parameters, read and applied one token at a time, with vLLM's semantics.
 
-What it owns
-    * :func:`parse_sampling_params`: the dict verl's agent loops hand ``generate`` (``AgentLoopWorker`` builds
-      ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and ``logprobs``; ``ToolAgentLoop`` adds its tool
-      parser's ``stop_token_ids``; other callers add ``max_tokens``/``max_new_tokens``, ``ignore_eos``, ``seed``)
-      turned into a frozen :class:`SamplingSpec`.
-      Any other key raises :class:`UnsupportedSamplingParameter`: vLLM would honour it, and silently ignoring it
-      would train on samples drawn from a different distribution than the caller asked for.
-    * :func:`choose_token`: one decoding step, in vLLM's order: repetition penalty over prompt and output tokens;
-      greedy arg-max when ``temperature`` is 0; otherwise divide by the temperature, keep the top-k, keep the top-p
-      nucleus (the smallest set of most likely tokens whose probability reaches p), sample.
+Contract: :func:`parse_sampling_params` turns the dict verl's agent loops hand ``generate`` into a frozen
+:class:`SamplingSpec`; :func:`choose_token` is one decoding step in vLLM's order (repetition penalty, then greedy at
+temperature 0, else temperature, top-k, top-p, sample). A token's log-prob is taken from the distribution it was
+sampled from (verl's ``processed_logprobs``), so rollout and actor agree exactly with top-k and top-p off;
+``raw_logprobs`` works too.
 
-Log-probs (what ``rollout_log_probs`` means)
-    verl starts vLLM with ``logprobs_mode=processed_logprobs`` (``rollout.logprobs_mode``), so the log-prob of a
-    token is taken from the distribution it was sampled from: ``log_softmax`` of the temperature-scaled logits
-    after top-k/top-p (renormalised over the kept tokens), and of the unscaled logits for greedy decoding. The
-    actor recomputes ``old_log_probs`` as ``log_softmax(logits / temperature)`` over the whole vocabulary, so the two
-    agree exactly when top-k and top-p are off (verl's defaults ``-1`` and ``1.0``). ``raw_logprobs`` (the model's
-    ``log_softmax`` before any processing) is supported too; vLLM's ``*_logits`` modes are not log-probs and are
-    refused.
+Errors: any other key raises :class:`UnsupportedSamplingParameter` (vLLM would honour it; ignoring it would train
+on another distribution), and vLLM's ``*_logits`` modes are refused. Details:
+``docs/rehearsal-and-cpu-training.md#the-cpu-backend-in-detail``.
 """
 
 from __future__ import annotations

@@ -1,69 +1,17 @@
 """The ``hfcpu`` rollout server: a Hugging Face transformers model behind verl's token-in/token-out ``generate``.
 
-A stand-in for vLLM on machines without a GPU, for tests, CI and the local rehearsal; never a default and never on
-a GPU node. The requests in flight are decoded together (continuous batching, no prefix cache): each new request is
-prefilled alone, then joins the batch, and every decode step is one forward pass over all the sequences of the batch.
+A stand-in for vLLM for tests, CI and the local rehearsal; never a default and never on a GPU node.
 
-What it owns
-    :class:`HFCpuServer`, a plain class that ``rollout.py`` runs as a Ray actor (and tests may run in-process). It
-    answers what verl 0.9.1 calls on a rollout server:
-      * ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput``, as ``LLMServerClient`` calls it:
-        the sampling parameters of ``sampling.py`` (temperature 0 is greedy), ``max_tokens`` defaulting to vLLM's
-        ``min(response_length, prompt_length + response_length - len(prompt))`` within ``max_model_len``, a stop at
-        any end-of-sequence id (tokenizer, model config and generation config; none with ``ignore_eos``) and at any
-        of the request's ``stop_token_ids`` (the stop token is the last one returned, as vLLM returns it),
-        ``log_probs`` when ``logprobs`` is asked, and ``extra_fields["global_steps"]``, the weight version the
-        trainer set. ``stop_reason`` follows vLLM's server in verl: ``"completed"`` for an EOS and for the token
-        budget alike, ``"aborted"`` for a request stopped by an abort.
-      * ``update_weights(state_dict, global_steps)`` and ``set_global_steps(global_steps)`` for the weights the actor
-        sends every training step (``rollout.HFCpuServerAdapter``).
-      * ``abort_request(request_id)``, ``abort_all_requests(reject_request=False)`` and ``resume_generation()``
-        with vLLM's semantics: an aborted request returns at once with the tokens it has and
-        ``stop_reason="aborted"``; after ``abort_all_requests`` new requests wait until ``resume_generation()``, or
-        are answered ``"aborted"`` at once with ``reject_request=True``.
-      * ``sleep()``: nothing to do on CPU (see its docstring); ``start_profile``/``stop_profile``: no rollout
-        profiler here, logged once.
+Contract: :class:`HFCpuServer` (run as a Ray actor by ``rollout.py``, or in-process by tests) answers what verl
+0.9.1 calls on a rollout server, with vLLM's semantics: ``generate`` (sampling of ``sampling.py``, vLLM's default
+``max_tokens``, stops at EOS and ``stop_token_ids``, log-probs, ``global_steps``, ``stop_reason``), weight updates,
+``abort_request``/``abort_all_requests``/``resume_generation``, ``sleep`` and the profiler calls. Requests in flight
+are decoded together (continuous batching up to ``max_batch_size``); each samples from its own generator seeded by
+:func:`request_seed`, so the same seed replays the same episodes whatever order requests arrive in.
 
-Batching (``rollout.engine_kwargs.hfcpu.max_batch_size``, default 64; 1 serves one request at a time)
-    Requests are admitted in arrival order while the batch has room. Between two decode steps the decode thread
-    prefills the newly admitted requests (one forward pass each, batch of one), then samples one token for every
-    sequence and runs one batched forward pass over the sequences that go on: their key/value caches are one
-    cache, left-padded to the longest sequence and grown in place, with an attention mask and each sequence's own
-    position ids (the model's attention is torch's sdpa, given grouped key/value heads without repeating them).
-    Finished and aborted sequences leave the batch at once and their caller gets its answer then. A sequence
-    computes the same logits in a batch as alone up to float rounding (padding and batch size change the order of
-    the sums, by about 1e-6 on a logit), so greedy tokens agree, and sampled tokens with the same generator agree
-    unless a uniform draw falls within that rounding of a boundary between two tokens.
-
-Sampling streams (what makes two runs with the same seed produce the same tokens)
-    Every request samples from its own ``torch.Generator``, so its tokens do not depend on which other requests
-    are in flight or on the order the requests arrived in. Its seed is the request's ``seed`` sampling parameter
-    if given (as vLLM's per-request seed), else :func:`request_seed` of the server seed (``rollout.seed`` plus the
-    replica rank, as vLLM's engine seed), the weight version (updates received and ``global_steps``), the prompt
-    ids, the ``request_id`` when ``rollout.full_determinism`` is on (verl then sends ``det-<priority>``, stable
-    across runs; otherwise a fresh ``uuid4`` per turn, useless as a key), and how many requests with that same key
-    this server has received under this weight version before. The count is what tells apart the samples of a
-    group, whose first prompts are identical and whose request ids may be too (verl's V1 trainer passes no
-    ``priority``, so every request is ``det-0``), and a re-run attempt from the one it replaces. Two runs with the
-    same seed then produce the same set of episodes in every group whatever order requests arrive in: the samples
-    whose prompts are identical are interchangeable, so which of them draws which stream changes nothing
-    (``tests/test_main_ppo_determinism.py``).
-
-Guarantees
-    * A response is never produced by two weight versions: a weight update stops admitting requests, waits until
-      the batch has drained (the requests in it finish or are aborted), loads, then admits again.
-    * Cancellation is checked before every forward pass: a request cancelled in any way (its coroutine cancelled,
-      as Ray's ``ray.cancel`` and an in-process caller's cancel do; ``abort_request``; ``abort_all_requests``)
-      leaves the batch before the next prefill or decode step, and the others go on; a request still waiting for
-      admission is answered at once. A cancelled coroutine re-raises ``CancelledError`` after its sequence has left
-      the batch. Cancelling the *caller* of a Ray call is not enough: Ray 2.60 does not cancel the actor task when
-      the awaiting asyncio task is cancelled (the same holds for vLLM's server), which is why the recipe's loop
-      ``ray.cancel``s the requests of a generation it cuts (``rollout_cancel.generate_within``).
-    * A forward pass that raises fails the requests in it (the prefill: that request; a decode step: the batch);
-      the server keeps serving.
-    * The decode runs in one dedicated thread with ``torch.set_num_threads(num_threads)``
-      (``rollout.engine_kwargs.hfcpu.num_threads``, default 1), so the server does not starve a browser or the
-      trainer on a small machine; the actor's event loop stays free for admissions, aborts and weight updates.
+Guarantees: no response spans two weight versions; cancellation (``ray.cancel``, an abort) is checked before every
+forward pass and the others go on; a forward pass that raises fails only the requests in it; decoding runs in one
+thread of ``num_threads``. In full: ``docs/rehearsal-and-cpu-training.md#the-cpu-backend-in-detail``.
 """
 
 from __future__ import annotations

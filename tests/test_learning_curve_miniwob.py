@@ -126,7 +126,9 @@ def test_the_cost_table_gives_each_runs_step_time_and_episodes_per_minute_and_th
 # ----- docs/learning-results.md ------------------------------------------------------------------------------------
 
 MARKER = re.compile(
-    r"<!-- figures: bench/learning_curve_miniwob\.json, (task_table|cost_table) of ([^>]*?) -->\n(\|.*?)\n\n", re.DOTALL
+    r"<!-- measured: bench/learning_curve_miniwob\.json, (task_table|cost_table) of ([^>(]*?) "
+    r"\(tests/test_learning_curve_miniwob\.py\) -->\n(\|.*?)\n\n",
+    re.DOTALL,
 )
 
 

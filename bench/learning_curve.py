@@ -1,42 +1,16 @@
 """Does a run learn, and does the env-aware baseline change what is learned? Both answered by training.
 
 Every run is a real ``python -m verl.trainer.main_ppo`` (V1 trainer, ``BrowserToolAgentLoop``, the CPU backend in
-place of vLLM) of the warm-started tiny policy on the Corner Shop's deal tasks (``shop_tasks``, suite ``deal``):
-name the fruit a board marks on sale. Two routes solve one: read the board (an ``observe`` call, then ``finish``
-with the marked fruit), or ``finish`` at once with a fruit from memory, never touching the browser, which is right
-one time in four. The warm start takes both routes and reads the mark only some of the time. ``--suite aisle``
-asks the same two browser calls away (observe the aisles, click the one marked, then name the fruit its stand
-marks), with its own warm-started policy (``local/aisle_policy``). ``--suite miniwob`` trains on MiniWoB++ pages
-(``local/miniwob``; the ``miniwob`` extra), always on nemo-gym 0.7.0 with Chromium: the site is served on 127.0.0.1
-(``--miniwob-port``) with a grade key made for the benchmark and never written down, the rows are the training
-seeds of ``local/miniwob/policy.py``'s ``LEARNING_TASKS``, and validation plays each task's first ``--val-tasks``
-held-back seeds under its own data source (``miniwob/<task>``), so held-back success is reported per task
-(``by_task``) and as their mean.
+place of vLLM) of a warm-started tiny policy on one suite: ``deal`` (name the fruit a board marks: read the board, or
+answer from memory), ``aisle`` (two dependent browser calls) or ``miniwob`` (MiniWoB++ pages, always on nemo-gym with
+Chromium; the site on 127.0.0.1 at ``--miniwob-port`` with a grade key never written down). Two arms, the same
+policy, tasks and seed: ``recipe`` (``grpo_env_aware``, 3 attempts, what still fails stays out of the loss and the
+baseline) and ``stock`` (verl's GRPO, one attempt, a failure scored 0 and trained on). The fault proxy fails each
+browser call with probability ``--rates``; validation runs without faults, per data source.
 
-``--sample-mode``: one sample per episode (``trajectory``, verl's default) or one per policy step (``stepwise``:
-``nemo_gym_browser.stepwise.enabled``); each mode listed runs every arm, seed and rate. Per run it records steps to
-0.8 held-back success and the training minutes they took, seconds per step, tokens per sample (the mean, from verl's
-``perf/total_num_tokens`` over the step's samples; the max as the longest prompt plus the longest response of a step,
-verl's ``prompt_length`` and ``response_length``), optimizer updates per step and to 0.8 (verl's V1 trainer makes
-one per ``ppo_mini_batch_size`` x ``rollout.n`` samples: several per step in step-wise mode) and peak memory, and per
-suite, mode, arm and rate their summary (``by_mode``).
-
-Two arms, the same policy, tasks and seed:
-
-    recipe   ``grpo_env_aware`` through ``patches.py``; an episode the infrastructure failed is re-run (3 attempts)
-             and what still fails stays out of the loss and out of its group's baseline
-    stock    verl's GRPO, one attempt, and a failed episode is scored 0 and trained on like a policy outcome
-             (``train_on_failures``): what an integration without this recipe does
-
-and, per arm, the same infrastructure failures where real ones happen: the fault proxy fails each browser call
-(``observe``, ``navigate``, ``click``, ``type``) with probability ``--rates`` (drawn per call from the seed, the
-session and the call's index), as a lost session by default, so an episode that browses is exposed and an answer
-from memory never is. Validation (before training and every ``--eval-every`` steps) samples ``--val-samples``
-episodes of each of ``--val-tasks`` training tasks and held-back boards at temperature 1, with no faults: clean
-success, the share of episodes that browsed, and browser calls per episode.
-
-Prints one line per run as it ends and, at the end, mean and range over seeds per arm, rate and evaluated step;
-writes the JSON after every run (a long benchmark keeps what it measured) and a PNG.
+Writes the JSON after every run (``--resume`` runs only what it lacks, ``--report-only`` runs nothing) and a PNG.
+What each run records and how the arms are compared: docs/benchmarks.md ("Learning curve") and
+docs/learning-results.md.
 """
 
 from __future__ import annotations

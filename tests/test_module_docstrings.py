@@ -17,8 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("local", "testing", "bench")
 MAX_LINES = 20
-# Still longer than MAX_LINES; each must come off this list when it is shortened (the last test says so).
-LONG_DOCSTRINGS_PENDING = {"bench/learning_curve.py"}
 # A machine's own folders at the start of an absolute path, or a climb out of the folder the docstring lives in.
 OUTSIDE = re.compile(r"(?<![\w.:/~-])/(?:home|root|work|Users|mnt|scratch|srv|data|opt)/|(?<!\.)\.\./")
 
@@ -48,7 +46,7 @@ def test_no_module_docstring_is_longer_than_twenty_lines() -> None:
     too_long = {
         relative(path): len(docstring(path).splitlines())
         for path in modules()
-        if len(docstring(path).splitlines()) > MAX_LINES and relative(path) not in LONG_DOCSTRINGS_PENDING
+        if len(docstring(path).splitlines()) > MAX_LINES
     }
     assert too_long == {}, f"move the manual to docs/ and keep the contract (at most {MAX_LINES} lines)"
 
@@ -73,8 +71,3 @@ def test_no_module_docstring_names_a_path_outside_the_repository() -> None:
 )
 def test_the_path_check_tells_a_machines_folders_from_scratch_files_and_links(line: str, outside: bool) -> None:
     assert bool(outside_paths(line)) is outside
-
-
-def test_every_module_still_pending_a_short_docstring_exists_and_is_still_long() -> None:
-    lengths = {name: len(docstring(ROOT / name).splitlines()) for name in sorted(LONG_DOCSTRINGS_PENDING)}
-    assert {name: n for name, n in lengths.items() if n <= MAX_LINES} == {}, "shortened: take it off the list"

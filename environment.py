@@ -562,7 +562,8 @@ class BrowserSession:
         """Grade the episode against the seed-time ``verifier_metadata``. The server releases the browser.
 
         Raises ``verify_unavailable`` (or ``session_lost`` when the server no longer holds the session) whenever
-        the server could not grade: a ``failure_reason``, a 5xx, a timeout, a rejected body. Never a 0.
+        the server could not grade: a ``failure_reason``, ``mask_sample: true``, a 5xx, a timeout, a rejected body.
+        Never a 0.
         """
         if not self.verifier_metadata:
             raise ValueError("this task has no verifier_metadata: score it with the judge, not /verify")
@@ -588,6 +589,10 @@ class BrowserSession:
                 else FailureKind.VERIFY_UNAVAILABLE
             )
             raise self._failure(kind, f"verify could not grade: {_brief(answer.failure_reason)}")
+        if answer.mask_sample:
+            # Gym's own "do not train on this" (its reward-model servers answer a failed judge this way, reward 0.0
+            # beside it): the grade did not happen, whatever the reward field says.
+            raise self._failure(FailureKind.VERIFY_UNAVAILABLE, "verify said not to train on it (mask_sample)")
         try:
             reward = checked_reward(answer.reward)
         except MalformedAnswer as exc:

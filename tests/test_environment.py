@@ -219,6 +219,32 @@ async def test_a_verify_that_could_not_grade_is_verify_unavailable_never_a_zero(
     assert server.open_sessions == 0
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"reward": 1.0, "mask_sample": True},
+        # the judge-failure shape of Gym's reward-model servers: HTTP 200, a zero, a tag, and the mask
+        {"reward": 0.0, "mask_sample": True, "judge_failed": True, "failure_tags": ["judge_failed"]},
+    ],
+    ids=["masked-one", "judge-failed-zero"],
+)
+async def test_a_verify_answer_masked_by_the_server_is_verify_unavailable_never_a_reward(server, client, answer):
+    server.inject("verify", Fault.respond(answer))
+    async with open_session(client) as session:
+        await session.observe()
+        with pytest.raises(EnvironmentFailure) as caught:
+            await session.verify()
+    assert caught.value.kind is FailureKind.VERIFY_UNAVAILABLE
+    assert "mask_sample" in caught.value.reason
+
+
+async def test_a_verify_answer_with_mask_sample_false_is_graded(server, client):
+    server.inject("verify", Fault.respond({"reward": 0.0, "mask_sample": False}))
+    async with open_session(client) as session:
+        await session.observe()
+        assert (await session.verify()).reward == 0.0
+
+
 async def test_a_verify_of_a_lost_session_is_session_lost(server, client):
     async with open_session(client) as session:
         await session.observe()

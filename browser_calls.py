@@ -25,7 +25,7 @@ BROWSER_FINISH = "browser_finish"
 TOOL_NAMES = (BROWSER_OBSERVE, BROWSER_NAVIGATE, BROWSER_CLICK, BROWSER_TYPE, BROWSER_FINISH)
 NATIVE_TOOL_ACTIONS = {name: name.removeprefix("browser_") for name in TOOL_NAMES}
 ACTIONS = tuple(NATIVE_TOOL_ACTIONS.values())
-_TOOL_OF_ACTION = {action: name for name, action in NATIVE_TOOL_ACTIONS.items()}
+TOOL_OF_ACTION = {action: name for name, action in NATIVE_TOOL_ACTIONS.items()}
 SINGLE_TOOL_NAME = "browser"
 
 _ELEMENT_ID = {"type": "integer", "description": "An element id from the last observation's ELEMENTS list."}
@@ -138,4 +138,4 @@ def parse_tool_call(tool_name: str, parameters: Any) -> tuple[str, dict[str, Any
         if answer is None:
             return "finish needs an answer (a string)"
         arguments["answer"] = answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
-    return _TOOL_OF_ACTION[action], arguments
+    return TOOL_OF_ACTION[action], arguments

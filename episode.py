@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from .browser_calls import BROWSER_FINISH, BROWSER_NAVIGATE, NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, parse_tool_call
+from .browser_calls import (
+    BROWSER_FINISH,
+    BROWSER_NAVIGATE,
+    NATIVE_TOOL_ACTIONS,
+    SINGLE_TOOL_NAME,
+    TOOL_OF_ACTION,
+    parse_tool_call,
+)
 from .environment import BrowserSession, ToolResult, parse_observation
 from .failures import EnvironmentFailure, FailureKind
 from .settings import plain_config
@@ -40,7 +47,6 @@ ABANDONED_MESSAGE = "The browser environment failed; this attempt is abandoned."
 # How much of a step the judge and the step-wise history read: each argument, and the browser's error.
 STEP_ARGUMENT_CHARS = 80
 STEP_ERROR_CHARS = 120
-_TOOL_OF_ACTION = {action: tool for tool, action in NATIVE_TOOL_ACTIONS.items()}
 
 
 class StepOutcome(StrEnum):
@@ -72,7 +78,7 @@ class Step:
     @property
     def tool(self) -> str:
         """The environment's name of the action (``browser_click``), what the session is called with."""
-        return _TOOL_OF_ACTION.get(self.action, self.action)
+        return TOOL_OF_ACTION.get(self.action, self.action)
 
     def __str__(self) -> str:
         if self.outcome is StepOutcome.INVALID:

@@ -272,7 +272,10 @@ HOST_INTERFACE = "ngb0"
 # Slurm's ports inside the namespaces: nothing else lives there, so its defaults are free.
 TWO_HOST_CTLD_PORT = 6817
 TWO_HOST_SLURMD_PORT = 6818
-TWO_HOST_SRUN_PORTS = (60001, 60200)
+# srun listens on ports of this range; it stays below the kernel's ephemeral range (32768-60999 by default), from
+# which every outgoing connection takes its local port: a range inside it was once all taken by a training step's
+# connections ("sock_bind_listen_range: all ports in range exhausted"). Above Ray's 10000-20000.
+TWO_HOST_SRUN_PORTS = (30001, 30200)
 # Served by each host on its own loopback, as the shop's task files name it.
 SHOP_PORT = 8765
 # A judge on every host's loopback, at the same URL (JUDGE_ON_EVERY_NODE=1).
@@ -351,6 +354,16 @@ def as_host(namespace: str, node: str, argv: list[str]) -> list[str]:
     ]
 
 
+def require_outside_ephemeral_ports(namespace: str, ports: tuple[int, int]) -> None:
+    """Fails when ``ports`` overlap the range the kernel of ``namespace`` hands to outgoing connections."""
+    shown = subprocess.run(
+        ["ip", "netns", "exec", namespace, "cat", "/proc/sys/net/ipv4/ip_local_port_range"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()  # fmt: skip
+    low, high = int(shown[0]), int(shown[1])
+    assert ports[1] < low or ports[0] > high, f"srun's ports {ports} overlap {namespace}'s ephemeral ports {low}-{high}"
+
+
 def two_host_slurm_conf(root: Path) -> str:
     """slurm.conf for h1 (controller and node) and h2, each addressed by its NodeAddr."""
     controller = next(iter(TWO_HOSTS))
@@ -401,6 +414,8 @@ def two_node_slurm() -> Iterator[LocalSlurm]:
     slurm_started = False
     try:
         create_hosts(namespaces)
+        for namespace in namespaces.values():
+            require_outside_ephemeral_ports(namespace, TWO_HOST_SRUN_PORTS)
         daemons.append(start_munged(root))
         commands = [(controller, "slurmctld", ["slurmctld", "-D"])]
         commands += [(node, f"slurmd-{node}", ["slurmd", "-D", "-N", node]) for node in TWO_HOSTS]

@@ -11,8 +11,9 @@ each native tool, ``agent_name``, ``index``, ``data_source``, ``extra_info``, ``
 ``extra_env_info``, ``dummy_tensor``), the contract with ``episode.EpisodeSpec``; each is a fresh copy, so verl
 mutating it never changes the dataset. The keys in full: ``docs/data.md``.
 
-Errors: loading fails on the first malformed row, an :class:`~nemo_gym_browser.tasks.InputError` naming its
-``file:line`` (the rules of :mod:`~nemo_gym_browser.rows`, as in data preparation), and on a dataset without rows.
+Errors: loading fails on the first malformed row, an :class:`~nemo_gym_browser.task_lists.tasks.InputError` naming its
+``file:line`` (the rules of :mod:`~nemo_gym_browser.gym_contract.rows`, as in data preparation), and on a dataset
+without rows.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .browser_calls import SINGLE_TOOL_NAME, TOOL_NAMES
-from .browser_tool import AGENT_LOOP_NAME
-from .rows import RowValueError, parse_row_json
-from .tasks import InputError, Task, task_from_nemo_gym_row
+from .agent_attempt.browser_tool import AGENT_LOOP_NAME
+from .gym_contract.browser_calls import SINGLE_TOOL_NAME, TOOL_NAMES
+from .gym_contract.rows import RowValueError, parse_row_json
+from .task_lists.tasks import InputError, Task, task_from_nemo_gym_row
 
 logger = logging.getLogger(__name__)
 

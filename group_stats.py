@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .wiring import ESTIMATOR_MARK, ESTIMATOR_NAME
+from .trainer_side.wiring import ESTIMATOR_MARK, ESTIMATOR_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """A binary LLM judge over any OpenAI-compatible chat-completions endpoint (a vLLM server, a hosted API).
 
-Contract: :meth:`BinaryJudge.judge` renders :class:`JudgeEvidence` through :mod:`~nemo_gym_browser.judge_prompt`
-and returns a :class:`Verdict` that is usable (``success`` True or False) or not (``success is None``, with a
-reason); it never raises for judge-side problems. Only the last non-empty line of ``message.content`` decides
-(:func:`parse_verdict_text`), and only when it is exactly one of the two tokens and the other appears nowhere. An
-answer without a verdict is blamed on the policy only when the judge gives one on the task with the policy's text
-withheld (:func:`without_policy_text`; ``Verdict.policy_caused``).
+Contract: :meth:`BinaryJudge.judge` renders :class:`JudgeEvidence` through
+:mod:`~nemo_gym_browser.agent_attempt.judge_prompt` and returns a :class:`Verdict` that is usable (``success`` True or
+False) or not (``success is None``, with a reason); it never raises for judge-side problems. Only the last non-empty
+line of ``message.content`` decides (:func:`parse_verdict_text`), and only when it is exactly one of the two tokens and
+the other appears nowhere. An answer without a verdict is blamed on the policy only when the judge gives one on the task
+with the policy's text withheld (:func:`without_policy_text`; ``Verdict.policy_caused``).
 
 Lifetimes: the aiohttp session is opened lazily in the running event loop and released by ``await judge.close()``
 (or ``async with``); every request runs under ``timeout_s`` and a semaphore of ``max_concurrency``; usable verdicts
@@ -35,8 +35,7 @@ from typing import Any, ClassVar
 import aiohttp
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .credentials import redact, secret_values
-from .judge_prompt import (  # re-exported (see __all__): callers import the judge's vocabulary from here
+from .agent_attempt.judge_prompt import (  # re-exported (see __all__): callers import the judge's vocabulary from here
     DATA_BEGIN,
     DATA_END,
     FAILURE_TOKEN,
@@ -47,8 +46,9 @@ from .judge_prompt import (  # re-exported (see __all__): callers import the jud
     render_messages,
     without_policy_text,
 )
+from .gym_contract.credentials import redact, secret_values
+from .gym_contract.text import shorten
 from .settings import JudgeConfig, JudgeConfigError
-from .text import shorten
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ CDP on a loopback port) or ``local_playwright`` (the server launches one per ses
 ``PLAYWRIGHT_BROWSERS_PATH`` folder of links to ``--chromium``).
 
 Guarantees: everything binds 127.0.0.1; the server and Chromium get an allow-listed environment
-(:mod:`~nemo_gym_browser.credentials`); every wait is bounded, and a server that does not come up raises
+(:mod:`~nemo_gym_browser.gym_contract.credentials`); every wait is bounded, and a server that does not come up raises
 :class:`EnvironmentStartError` with a diagnosis and the tail of its log. ``stop()`` (also on ``with`` exit, Ctrl-C,
 SIGTERM in the CLI and interpreter exit) ends by PID everything this object started and nothing else; if this
 process is SIGKILLed, a parent-death signal takes the server and Chromium too. Details:
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from nemo_gym_browser.credentials import browser_side_environment
+from nemo_gym_browser.gym_contract.credentials import browser_side_environment
 from nemo_gym_browser.processes import (
     Proc,
     all_processes,

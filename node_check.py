@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.credentials import browser_side_environment
+from nemo_gym_browser.gym_contract.credentials import browser_side_environment
 from nemo_gym_browser.launch_environment import (
     DEFAULT_CHROMIUM,
     DEFAULT_GYM_VENV,

@@ -10,8 +10,8 @@ Lifetimes: ``install()`` patches the four verl modules now; ``install_on_import(
 change something, and do nothing under ``NEMO_GYM_BROWSER_PATCHES=0``. Importing this module imports neither torch
 nor verl.
 
-Errors: :class:`~nemo_gym_browser.wiring.PatchError`, naming the installed verl version, when a wrapped function is
-missing or no longer has the shape it was written against. What is wrapped and why wrappers:
+Errors: :class:`~nemo_gym_browser.trainer_side.wiring.PatchError`, naming the installed verl version, when a wrapped
+function is missing or no longer has the shape it was written against. What is wrapped and why wrappers:
 ``docs/estimator-and-wiring.md``.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .wiring import (
+from .trainer_side.wiring import (
     CORE_ALGOS,
     ESTIMATOR_MARK,
     ESTIMATOR_NAME,
@@ -119,7 +119,7 @@ def _patch_core_algos(module: ModuleType) -> bool:
 
 
 def _patch_ray_trainer(module: ModuleType) -> bool:
-    from . import trainer_wrappers as wrap
+    from .trainer_side import trainer_wrappers as wrap
 
     _require(module, "compute_response_mask")
     original = _require(module, "compute_advantage", params=("data", "adv_estimator", "norm_adv_by_std_in_grpo"))
@@ -136,7 +136,7 @@ def _patch_ray_trainer(module: ModuleType) -> bool:
 
 
 def _patch_v1_utils(module: ModuleType) -> bool:
-    from . import trainer_wrappers as wrap
+    from .trainer_side import trainer_wrappers as wrap
 
     compute_advantage = _require(module, "compute_advantage", params=("data", "adv_estimator"))
     multi = _require(
@@ -153,7 +153,7 @@ def _patch_v1_utils(module: ModuleType) -> bool:
 
 
 def _patch_v1_trainer_base(module: ModuleType) -> bool:
-    from . import trainer_wrappers as wrap
+    from .trainer_side import trainer_wrappers as wrap
 
     trainer_cls = _require(module, "PPOTrainer")
     method = _require(

@@ -286,9 +286,9 @@ def _load_rows(ctx: Context, dataset_cls: Any, files: Any, tokenizer: Any) -> An
 def row_facts(sample: dict[str, Any], fallback_location: str) -> RowFacts:
     """What the checks need of one dataset sample; CheckFailed, at the row's location, when the agent loop could not
     read its episode or its ``verifier_metadata`` breaks the one rule (a custom dataset class may not apply it)."""
+    from nemo_gym_browser.agent_attempt.episode import EpisodeSpec
     from nemo_gym_browser.dataset import row_tool_names
-    from nemo_gym_browser.episode import EpisodeSpec
-    from nemo_gym_browser.rows import RowValueError, validate_verifier_metadata
+    from nemo_gym_browser.gym_contract.rows import RowValueError, validate_verifier_metadata
 
     extra_info = sample.get("extra_info")
     location = extra_info.get("source") if isinstance(extra_info, dict) else None
@@ -334,7 +334,7 @@ def check_data(ctx: Context) -> str:
 
 def _interface(names: Any) -> str:
     """How the user chose a tool set: ``browser``/``native`` for the recipe's two, else the names themselves."""
-    from nemo_gym_browser.task_rows import tool_interface_of
+    from nemo_gym_browser.task_lists.task_rows import tool_interface_of
 
     return tool_interface_of(names) or str(sorted(names))
 

@@ -34,11 +34,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from nemo_gym_browser.browser_calls import SINGLE_TOOL_NAME
-from nemo_gym_browser.named_dates import DateCheck, check_dates
-from nemo_gym_browser.rows import VERIFIER_KEYS, RowValueError, parse_row_json
-from nemo_gym_browser.task_rows import TOOL_INTERFACES, build_row
-from nemo_gym_browser.tasks import (
+from nemo_gym_browser.gym_contract.browser_calls import SINGLE_TOOL_NAME
+from nemo_gym_browser.gym_contract.rows import VERIFIER_KEYS, RowValueError, parse_row_json
+from nemo_gym_browser.gym_contract.text import shorten
+from nemo_gym_browser.task_lists.named_dates import DateCheck, check_dates
+from nemo_gym_browser.task_lists.task_rows import TOOL_INTERFACES, build_row
+from nemo_gym_browser.task_lists.tasks import (
     ID_FIELDS,
     InputError,
     ReferenceAnswer,
@@ -47,7 +48,6 @@ from nemo_gym_browser.tasks import (
     parse_record,
     reference_key,
 )
-from nemo_gym_browser.text import shorten
 
 TRAIN_FILE = "train.jsonl"
 VAL_FILE = "val.jsonl"

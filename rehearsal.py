@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.browser_calls import BROWSER_CLICK
-from nemo_gym_browser.sample_flags import ATTEMPTS_KEY, FAILURE_KIND_KEY, INVALID_KEY
+from nemo_gym_browser.agent_attempt.sample_flags import ATTEMPTS_KEY, FAILURE_KIND_KEY, INVALID_KEY
+from nemo_gym_browser.gym_contract.browser_calls import BROWSER_CLICK
 
 RECIPE_DIR = Path(__file__).resolve().parent
 TASKS = RECIPE_DIR / "examples" / "local_tasks.jsonl"
@@ -102,8 +102,8 @@ def marker(task_id: str, sample: int) -> str:
 
 def fault_rule(plans: dict[int, SamplePlan]) -> Any:
     """A proxy rule that breaks the planned endpoint of the planned attempts of the planned samples."""
+    from nemo_gym_browser.gym_contract.session_ids import parse_session_id
     from nemo_gym_browser.local.faults.kinds import Fault
-    from nemo_gym_browser.session_ids import parse_session_id
 
     faults = {
         "seed_session": Fault.status(503),

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal, Self, get_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .url_safety import validate_allow_entry
+from .gym_contract.url_safety import validate_allow_entry
 
 # The trainer-config section whose keys override the agent-loop YAML kwargs.
 TRAINER_CONFIG_SECTION = "nemo_gym_browser"

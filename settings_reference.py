@@ -33,7 +33,7 @@ from .settings import (
     StepwiseSettings,
     UrlPolicy,
 )
-from .wiring import ADVANTAGE_LOG_ENV, PATCHES_ENV
+from .trainer_side.wiring import ADVANTAGE_LOG_ENV, PATCHES_ENV
 
 REFERENCE_PATH = RECIPE_DIR / "docs" / "configuration.md"
 

@@ -1,7 +1,7 @@
 """Walk one whole episode against a running NeMo Gym ``interactive_browser`` server, with no GPU and no policy.
 
-It uses ``environment.py``, the client training uses, so a smoke that passes here means the training loop can
-seed, act, finish, verify and close on that server: the cookie round-trips, the request bodies are accepted,
+It uses ``gym_contract/environment.py``, the client training uses, so a smoke that passes here means the training loop
+can seed, act, finish, verify and close on that server: the cookie round-trips, the request bodies are accepted,
 the verifier grades, and the browser is released afterwards.
 
 Exit codes: 0 the episode walked and verified (with the expected reward, if one is expected); 1 the environment
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.environment import EnvironmentClient, ToolResult, validate_verifier_metadata
-from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient, ToolResult, validate_verifier_metadata
+from nemo_gym_browser.gym_contract.failures import EnvironmentFailure, FailureKind
 from nemo_gym_browser.settings import EnvironmentConfig
 
 # The server's own bundled example: a relative start URL resolves under the server's folder.

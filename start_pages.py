@@ -2,10 +2,10 @@
 
 A task's start page is a live site (WebVoyager's all are). On a node that cannot reach the sites every seed fails
 (``seed_failed``), every rollout is kept out of the loss, and the run learns nothing without an error. This check
-seeds one session per sampled page as the agent loop seeds an episode (``environment.py``: the typed seed, the
-same client), observes it, closes it, and reports how many pages loaded, which did not with the server's own
-message, and which proxy variables the environment server and its Chromium get (``credentials.py``; a proxy's user
-and password are never printed).
+seeds one session per sampled page as the agent loop seeds an episode (``gym_contract/environment.py``: the typed seed,
+the same client), observes it, closes it, and reports how many pages loaded, which did not with the server's own
+message, and which proxy variables the environment server and its Chromium get (``gym_contract/credentials.py``; a
+proxy's user and password are never printed).
 
 The sample: one start URL per distinct host (host and port), the hosts most rows start on first, ties in the order
 the files list them: the same data gives the same sample. Rows that start on the server's own pages (a relative
@@ -30,14 +30,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_gym_browser.credentials import proxy_settings, redact_url_credentials
-from nemo_gym_browser.environment import EnvironmentClient
-from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
-from nemo_gym_browser.rows import RowValueError, parse_row_json
+from nemo_gym_browser.gym_contract.credentials import proxy_settings, redact_url_credentials
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.gym_contract.rows import RowValueError, parse_row_json
+from nemo_gym_browser.gym_contract.text import shorten
+from nemo_gym_browser.gym_contract.url_safety import DEFAULT_PORTS, UrlRefused, parse_web_url, url_scheme
 from nemo_gym_browser.settings import EnvironmentConfig
-from nemo_gym_browser.tasks import InputError, Task, task_from_nemo_gym_row
-from nemo_gym_browser.text import shorten
-from nemo_gym_browser.url_safety import DEFAULT_PORTS, UrlRefused, parse_web_url, url_scheme
+from nemo_gym_browser.task_lists.tasks import InputError, Task, task_from_nemo_gym_row
 
 DEFAULT_SAMPLE = 8
 DEFAULT_MIN_SHARE = 0.5

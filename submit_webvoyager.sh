@@ -356,7 +356,7 @@ RAY_AUTH_TOKEN="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
 export RAY_AUTH_TOKEN
 if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then export "${JUDGE_API_KEY_ENV?}"; fi
 # The environment servers and smoke episodes run without the job's credentials: a server renders untrusted pages and
-# needs none (launch_environment.py also gives its server and Chromium an allow-listed environment, credentials.py).
+# needs none (launch_environment.py also gives its server and Chromium an allow-listed environment, gym_contract/credentials.py).
 NO_CREDENTIALS=(env -u RAY_AUTH_TOKEN -u HF_TOKEN -u HUGGING_FACE_HUB_TOKEN -u WANDB_API_KEY -u OPENAI_API_KEY)
 if [[ -n "${JUDGE_API_KEY_ENV}" ]]; then NO_CREDENTIALS+=(-u "${JUDGE_API_KEY_ENV}"); fi
 

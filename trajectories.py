@@ -28,10 +28,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from .credentials import redact, secret_values
-from .environment import parse_observation
-from .episode import Step
-from .sample_flags import (
+from .agent_attempt.episode import Step
+from .agent_attempt.sample_flags import (
     DEADLINE_HIT_KEY,
     FAILURE_KIND_KEY,
     FAILURE_REASON_KEY,
@@ -39,7 +37,9 @@ from .sample_flags import (
     REWARD_SOURCE_KEY,
     SampleFlags,
 )
-from .text import shorten
+from .gym_contract.credentials import redact, secret_values
+from .gym_contract.environment import parse_observation
+from .gym_contract.text import shorten
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,15 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from .rows import RowValueError, parse_row_json
-from .sample_flags import DEADLINE_HIT_KEY, FAILURE_KIND_KEY, FAILURE_REASON_KEY, INVALID_KEY, REWARD_SOURCE_KEY
-from .tasks import InputError
+from .agent_attempt.sample_flags import (
+    DEADLINE_HIT_KEY,
+    FAILURE_KIND_KEY,
+    FAILURE_REASON_KEY,
+    INVALID_KEY,
+    REWARD_SOURCE_KEY,
+)
+from .gym_contract.rows import RowValueError, parse_row_json
+from .task_lists.tasks import InputError
 
 # verl's GRPO: a group of one has mean 0 and std 1; std is the unbiased one; eps as in verl.
 GRPO_EPS = 1e-6
@@ -112,7 +118,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
 
 def load_records(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every record under ``folder`` (``step-*/*.jsonl``, any depth), in file and line order; a record the page
-    cannot show raises :class:`~nemo_gym_browser.tasks.InputError` naming its file and line."""
+    cannot show raises :class:`~nemo_gym_browser.task_lists.tasks.InputError` naming its file and line."""
     root = Path(folder)
     if not root.is_dir():
         raise InputError(str(root), "not a folder (expected the trajectory_dir of a run)")

@@ -28,7 +28,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos, ray_trainer
 
 from nemo_gym_browser import patches
-from nemo_gym_browser.sample_flags import INVALID_KEY
+from nemo_gym_browser.agent_attempt.sample_flags import INVALID_KEY
 from nemo_gym_browser.testing.benchmarking import header, write_report
 
 DEFAULT_PLOT = Path(__file__).resolve().parent / "baseline_bias.png"

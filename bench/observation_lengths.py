@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.local.environment_server.site_model import BUNDLED_INITIAL_URL
 from nemo_gym_browser.settings import EnvironmentConfig

@@ -29,8 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
-from nemo_gym_browser.environment import EnvironmentClient
-from nemo_gym_browser.placement import SessionTicket, make_placement
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.placement import SessionTicket, make_placement
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import fake_environment_process, header, write_report
 from nemo_gym_browser.testing.private_ray import private_ray

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.placement import Placement
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
-from nemo_gym_browser.placement import Placement
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.benchmarking import describe_machine, header
 from nemo_gym_browser.testing.private_ray import private_ray

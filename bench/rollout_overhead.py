@@ -34,12 +34,12 @@ from omegaconf import OmegaConf
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import ToolResponse
 
+from nemo_gym_browser.agent_attempt.browser_tool import default_tool_schema
+from nemo_gym_browser.agent_attempt.sample_flags import FAILURE_REASON_KEY, INVALID_KEY
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
-from nemo_gym_browser.browser_tool import default_tool_schema
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 from nemo_gym_browser.local.in_process_loop import agent_loop_entry, compose_trainer_config, load_tools, make_row
-from nemo_gym_browser.sample_flags import FAILURE_REASON_KEY, INVALID_KEY
 from nemo_gym_browser.testing.benchmarking import LoopFactory, fake_environment_process, header, write_report
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}

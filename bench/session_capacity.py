@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
 from nemo_gym_browser.launch_environment import LocalEnvironment
 from nemo_gym_browser.local import shop_tasks
 from nemo_gym_browser.processes import all_processes, descendants, machine_used_bytes, pss_bytes

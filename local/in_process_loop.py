@@ -33,7 +33,7 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 from verl.tools.tool_registry import initialize_tools_from_config
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from ..browser_tool import AGENT_LOOP_NAME
+from ..agent_attempt.browser_tool import AGENT_LOOP_NAME
 from ..dataset import DEFAULT_DATA_SOURCE, EPISODE_TOOLS
 from ..settings import SAMPLE_MODES
 from .chat_tokenizer import save_tokenizer_and_config

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..browser_calls import ACTIONS, SINGLE_TOOL_NAME
+from ..gym_contract.browser_calls import ACTIONS, SINGLE_TOOL_NAME
 from . import shop_tasks
 from .policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
 

@@ -40,7 +40,7 @@ class ModelSpec:
 
 def corpus_lines() -> list[str]:
     """Text shaped like the shop's traffic, for the tokenizer's vocabulary: prompts, observations, tool calls."""
-    from ..task_rows import SYSTEM_PROMPT_BROWSER, USER_PROMPT
+    from ..task_lists.task_rows import SYSTEM_PROMPT_BROWSER, USER_PROMPT
 
     lines = SYSTEM_PROMPT_BROWSER.splitlines()
     # The text the shipped policies' vocabulary was trained on: a suite added since (aisle) is written in its words,

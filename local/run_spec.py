@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..settings import DROP_INVALID_ENV
-from ..wiring import ESTIMATOR_NAME
+from ..trainer_side.wiring import ESTIMATOR_NAME
 from .faults.injected import FaultSpec
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent

@@ -29,8 +29,8 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from ..browser_calls import SINGLE_TOOL_NAME
-from ..stepwise import STEP_HISTORY_HEADER
+from ..agent_attempt.stepwise import STEP_HISTORY_HEADER
+from ..gym_contract.browser_calls import SINGLE_TOOL_NAME
 from .chat_tokenizer import IM_END, IM_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
 # One element line of a NeMo Gym observation: "  [12] a: About us".

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..browser_calls import SINGLE_TOOL_NAME
+from ..gym_contract.browser_calls import SINGLE_TOOL_NAME
 from . import scripted_policy as sp
 from .shop_tasks import AISLES, CATEGORIES, DEAL_MARK, HELD_BACK_ITEMS, SALE_MARK, SEARCH_LABEL, deal_names, items
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..task_rows import DATA_SOURCE
-from ..wiring import INVALID_FRACTION_METRIC
+from ..task_lists.task_rows import DATA_SOURCE
+from ..trainer_side.wiring import INVALID_FRACTION_METRIC
 from .faults.injected import FAULT_KINDS, FAULT_POINTS, FaultSpec, InjectedFaults
 from .local_site import LocalSiteBusy
 from .main_ppo_process import read_step_metrics, run_main_ppo

@@ -28,11 +28,11 @@ from unittest import mock
 
 from .. import judge as judge_module
 from ..browser_agent_loop import close_shared_clients
+from ..gym_contract.session_ids import parse_session_id
 from ..judge import BinaryJudge, JudgeConfig
 from ..local import scripted_policy as sp
 from ..local.chat_tokenizer import build_chat_tokenizer
 from ..local.in_process_loop import agent_loop_entry, compose_trainer_config, load_tools, make_row
-from ..session_ids import parse_session_id
 from . import fake_judge as fj
 from .benchmarking import LoopFactory
 from .chaos_backends import Backend, Hit

@@ -12,7 +12,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sample_flags import SampleFlags
+from ..agent_attempt.sample_flags import SampleFlags
 from .chaos_plan import ALL_CAUSES, INFRA, JUDGE_DOWN, POLICY, Cause, ChaosSettings
 
 

@@ -2,14 +2,14 @@
 
 :func:`static_share` deals the slots from the worker's rank and the number of workers, and
 :class:`StaticSharePlacement` holds this process's sessions within its share: no actor, no leases. Why the recipe
-uses the run-wide authority of :mod:`nemo_gym_browser.placement` instead: ``docs/benchmarks.md``.
+uses the run-wide authority of :mod:`nemo_gym_browser.gym_contract.placement` instead: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..placement import Grant, ProcessPlacement, SessionTicket
+from ..gym_contract.placement import Grant, ProcessPlacement, SessionTicket
 
 
 def static_share(cap: int, servers: Sequence[str], rank: int, workers: int) -> dict[str, int]:

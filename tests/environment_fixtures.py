@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
 from nemo_gym_browser.settings import EnvironmentConfig
 
 

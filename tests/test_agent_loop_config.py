@@ -17,10 +17,11 @@ from verl.experimental.agent_loop.tool_parser import HermesToolParser, ToolParse
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
 from nemo_gym_browser import preflight
+from nemo_gym_browser.agent_attempt.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema
+from nemo_gym_browser.agent_attempt.episode import EpisodeSpec
+from nemo_gym_browser.agent_attempt.tool_parser import LenientHermesToolParser
 from nemo_gym_browser.browser_agent_loop import BrowserToolAgentLoop, running_under_v1_trainer
-from nemo_gym_browser.browser_calls import parse_tool_call
-from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME, BrowserTool, default_tool_schema
-from nemo_gym_browser.episode import EpisodeSpec
+from nemo_gym_browser.gym_contract.browser_calls import parse_tool_call
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.in_process_loop import (
     AGENT_LOOP_YAML,
@@ -30,7 +31,6 @@ from nemo_gym_browser.local.in_process_loop import (
     make_row,
 )
 from nemo_gym_browser.settings import JudgeConfig, resolve_settings
-from nemo_gym_browser.tool_parser import LenientHermesToolParser
 
 URLS = {"server_urls": ["http://127.0.0.1:1"]}  # never contacted: these tests only build loops
 

@@ -22,12 +22,12 @@ from verl.trainer.ppo.reward import extract_reward
 from verl.trainer.ppo.v1 import agent_loop_tq
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
-from nemo_gym_browser.episode_metrics import episode_metrics, metrics_from_columns
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 from nemo_gym_browser.local.environment_server.site_model import BUNDLED_ROOT
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, load_tools, make_row
+from nemo_gym_browser.trainer_side.episode_metrics import episode_metrics, metrics_from_columns
 
 ABOUT = {"url_contains": "about.html"}
 

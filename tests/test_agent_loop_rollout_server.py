@@ -19,9 +19,9 @@ import ray
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 from verl.workers.rollout.router import get_router_handle
 
+from nemo_gym_browser.agent_attempt.rollout_cancel import generate_within, track_rollout_requests
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.in_process_loop import build_loop, make_row
-from nemo_gym_browser.rollout_cancel import generate_within, track_rollout_requests
 from nemo_gym_browser.testing.private_ray import private_ray
 
 SAMPLING = {"temperature": 1.0, "logprobs": False}

@@ -11,14 +11,14 @@ import pytest
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
-from nemo_gym_browser.episode_metrics import episode_metrics
+from nemo_gym_browser.agent_attempt.stepwise import LEGACY_STEPWISE_MESSAGE, STEP_HISTORY_HEADER
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, make_row
 from nemo_gym_browser.settings import BrowserLoopSettings, resolve_settings
-from nemo_gym_browser.stepwise import LEGACY_STEPWISE_MESSAGE, STEP_HISTORY_HEADER
 from nemo_gym_browser.testing import fake_judge as fj
 from nemo_gym_browser.testing import stepwise_policy as swp
+from nemo_gym_browser.trainer_side.episode_metrics import episode_metrics
 
 SAMPLING = {"temperature": 1.0, "logprobs": True}
 ABOUT = {"url_contains": "about.html"}

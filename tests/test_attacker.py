@@ -27,21 +27,21 @@ from nemo_gym_browser import preflight
 from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser import trajectories as tj
 from nemo_gym_browser import trajectory_page as tp
-from nemo_gym_browser.credentials import BROWSER_SIDE_VARIABLES
+from nemo_gym_browser.agent_attempt.episode import BrowserEpisode
 from nemo_gym_browser.dataset import BrowserJSONLDataset
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentFailure, FailureKind
-from nemo_gym_browser.episode import BrowserEpisode
+from nemo_gym_browser.gym_contract.credentials import BROWSER_SIDE_VARIABLES
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient, EnvironmentFailure, FailureKind
+from nemo_gym_browser.gym_contract.server_answers import BROWSER_GONE_OPENINGS
+from nemo_gym_browser.gym_contract.url_safety import UrlGuard
 from nemo_gym_browser.judge import BinaryJudge, JudgeEvidence
 from nemo_gym_browser.launch_environment import EnvironmentStartError, LocalEnvironment
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.environment_server.site_model import BUNDLED_ROOT
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.local.in_process_loop import build_loop, make_row
-from nemo_gym_browser.server_answers import BROWSER_GONE_OPENINGS
 from nemo_gym_browser.settings import JudgeConfig, UrlPolicy
-from nemo_gym_browser.tasks import InputError
+from nemo_gym_browser.task_lists.tasks import InputError
 from nemo_gym_browser.testing import fake_judge as fj
-from nemo_gym_browser.url_safety import UrlGuard
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 ABOUT = {"url_contains": "about.html"}

@@ -14,13 +14,13 @@ import random
 import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
+from nemo_gym_browser.gym_contract.session_ids import parse_session_id
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.local.faults.injected import browser_call_faults
 from nemo_gym_browser.local.faults.kinds import SeenRequest
 from nemo_gym_browser.local.faults.proxy import FaultProxy
 from nemo_gym_browser.local.in_process_loop import build_loop, make_row
-from nemo_gym_browser.session_ids import parse_session_id
 
 BROWSER_CALLS = ("browser_observe", "browser_navigate", "browser_click", "browser_type")
 NEVER_FAULTED = ("seed_session", "browser_finish", "verify", "close_session")

@@ -550,7 +550,7 @@ async def test_ray_cancel_of_a_generate_call_stops_the_decode_and_the_next_reque
 
 
 async def test_a_generation_the_recipes_loop_cuts_is_stopped_on_the_server(ray_server):
-    from nemo_gym_browser.rollout_cancel import generate_within, track_rollout_requests
+    from nemo_gym_browser.agent_attempt.rollout_cancel import generate_within, track_rollout_requests
 
     _, client = ray_server
     assert track_rollout_requests(client)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_gym_browser.credentials import (
+from nemo_gym_browser.gym_contract.credentials import (
     BROWSER_SIDE_VARIABLES,
     REDACTED,
     browser_side_environment,

@@ -24,12 +24,12 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from nemo_gym_browser import prepare_webvoyager_data as prep
-from nemo_gym_browser import task_rows
-from nemo_gym_browser.browser_calls import TOOL_NAMES
-from nemo_gym_browser.browser_tool import AGENT_LOOP_NAME
+from nemo_gym_browser.agent_attempt.browser_tool import AGENT_LOOP_NAME
 from nemo_gym_browser.dataset import EPISODE_TOOLS, BrowserJSONLDataset
+from nemo_gym_browser.gym_contract.browser_calls import TOOL_NAMES
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
-from nemo_gym_browser.tasks import InputError
+from nemo_gym_browser.task_lists import task_rows
+from nemo_gym_browser.task_lists.tasks import InputError
 from nemo_gym_browser.testing.webvoyager import missing_message, webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -308,7 +308,7 @@ def test_the_same_task_in_two_files_is_refused(tmp_path):
 
 
 def test_the_agent_loop_reads_the_episode_this_dataset_writes(prepared):
-    from nemo_gym_browser.episode import EpisodeSpec
+    from nemo_gym_browser.agent_attempt.episode import EpisodeSpec
 
     dataset = BrowserJSONLDataset([str(prepared / "val.jsonl")])
     column = collate_fn([dataset[i] for i in range(3)])["tools_kwargs"]

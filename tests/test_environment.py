@@ -10,9 +10,9 @@ import time
 import pytest
 from environment_fixtures import config
 
-from nemo_gym_browser import rows
-from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient, validate_verifier_metadata
-from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.gym_contract import rows
+from nemo_gym_browser.gym_contract.environment import VERIFIER_KEYS, EnvironmentClient, validate_verifier_metadata
+from nemo_gym_browser.gym_contract.failures import EnvironmentFailure, FailureKind
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.settings import EnvironmentConfig

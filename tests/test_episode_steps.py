@@ -13,11 +13,11 @@ from environment_fixtures import config
 
 from nemo_gym_browser import trajectories as tj
 from nemo_gym_browser import trajectory_page as tp
-from nemo_gym_browser.environment import EnvironmentClient, parse_observation
-from nemo_gym_browser.episode import BrowserEpisode, Step, StepOutcome
+from nemo_gym_browser.agent_attempt.episode import BrowserEpisode, Step, StepOutcome
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient, parse_observation
+from nemo_gym_browser.gym_contract.url_safety import UrlGuard
 from nemo_gym_browser.local.scripted_policy import find_element
 from nemo_gym_browser.settings import UrlPolicy
-from nemo_gym_browser.url_safety import UrlGuard
 
 ABOUT = {"url_contains": "about.html"}
 LONG_TEXT = "x" * 100

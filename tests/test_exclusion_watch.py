@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_gym_browser import exclusion_watch as ew
-from nemo_gym_browser import trainer_wrappers
-from nemo_gym_browser.episode_metrics import episode_metrics
+from nemo_gym_browser.trainer_side import exclusion_watch as ew
+from nemo_gym_browser.trainer_side import trainer_wrappers
+from nemo_gym_browser.trainer_side.episode_metrics import episode_metrics
 
 
 def step(invalid_rate: float, before_action: float = 0.0, **after_action: float) -> dict[str, float]:

@@ -13,8 +13,8 @@ import json
 import aiohttp
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient, EnvironmentConfig
-from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient, EnvironmentConfig
+from nemo_gym_browser.gym_contract.failures import EnvironmentFailure, FailureKind
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
 from nemo_gym_browser.local.environment_server.wire import COOKIE_NAME
 from nemo_gym_browser.local.faults.kinds import Fault

@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient
-from nemo_gym_browser.episode import render_result
+from nemo_gym_browser.agent_attempt.episode import render_result
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
 from nemo_gym_browser.local.miniwob import evaluate, grading, pages, suite
 from nemo_gym_browser.local.miniwob.site import MiniWobSite, MiniWobSiteBusy
 from nemo_gym_browser.local.miniwob.solver import Page

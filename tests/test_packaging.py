@@ -21,3 +21,14 @@ def test_the_license_file_is_the_license_pyproject_declares() -> None:
     text = (ROOT / "LICENSE").read_text(encoding="utf-8")
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_every_folder_of_the_package_is_a_listed_package() -> None:
+    tops = [path.parent for path in ROOT.glob("*/__init__.py") if path.parent.name not in {"tests", "build"}]
+    folders = sorted(
+        ".".join(("nemo_gym_browser", *path.parent.relative_to(ROOT).parts))
+        for top in tops
+        for path in top.rglob("__init__.py")
+    )
+    assert "nemo_gym_browser.gym_contract" in folders and "nemo_gym_browser.local.miniwob" in folders
+    assert [name for name in folders if name not in PYPROJECT["tool"]["setuptools"]["packages"]] == []

@@ -21,7 +21,8 @@ from verl.trainer.ppo import core_algos, ray_trainer
 from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1 import utils as v1_utils
 
-from nemo_gym_browser import patches, wiring
+from nemo_gym_browser import patches
+from nemo_gym_browser.trainer_side import wiring
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 300
@@ -300,7 +301,7 @@ def test_install_fails_loudly_naming_the_verl_version_when_verl_changed(monkeypa
 
 
 # The loggers of the wiring: installing it (patches) and what the wrappers do (trainer_wrappers).
-LOGGERS = ("LOG nemo_gym_browser.patches ", "LOG nemo_gym_browser.trainer_wrappers ")
+LOGGERS = ("LOG nemo_gym_browser.patches ", "LOG nemo_gym_browser.trainer_side.trainer_wrappers ")
 LOG_ONCE_SCRIPT = textwrap.dedent(
     """
     import logging

@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 
-from nemo_gym_browser.environment import EnvironmentClient
-from nemo_gym_browser.failures import EnvironmentFailure
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.failures import EnvironmentFailure
+from nemo_gym_browser.gym_contract.placement import Grant, PlacementAuthority, SessionTicket
 from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
-from nemo_gym_browser.placement import Grant, PlacementAuthority, SessionTicket
 from nemo_gym_browser.settings import EnvironmentConfig
 from nemo_gym_browser.testing.static_share import StaticSharePlacement, static_share
 

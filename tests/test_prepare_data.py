@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_browser import prepare_webvoyager_data as prep
-from nemo_gym_browser import task_rows
-from nemo_gym_browser.browser_calls import TOOL_NAMES
-from nemo_gym_browser.named_dates import check_dates, find_named_dates
+from nemo_gym_browser.gym_contract.browser_calls import TOOL_NAMES
+from nemo_gym_browser.task_lists import task_rows
+from nemo_gym_browser.task_lists.named_dates import check_dates, find_named_dates
 from nemo_gym_browser.testing.webvoyager import missing_message, webvoyager_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,7 @@
 """The real nemo-gym 0.7.0 interactive_browser server, spoken to in raw HTTP (plain aiohttp, no client of ours).
 
-These tests pin down the wire facts the rest of the project (environment.py, rows.py, the fake server) is built on:
+These tests pin down the wire facts the rest of the project (gym_contract/environment.py, gym_contract/rows.py, the
+fake server) is built on:
 the typed seed and its cookie, the observation format, verify's required body and its answers, which
 ``verifier_metadata`` key is graded when a row carries several or odd ones, the status codes of the failure paths,
 the close answers, and that a closed or verified session leaves no browser open on the server side.
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
+from nemo_gym_browser.gym_contract.rows import RowValueError, validate_verifier_metadata
 from nemo_gym_browser.launch_environment import BrowserState, LocalEnvironment
 from nemo_gym_browser.local.local_site import LocalSite
-from nemo_gym_browser.rows import RowValueError, validate_verifier_metadata
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,11 @@ from typing import Any
 import pytest
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 
-from nemo_gym_browser.rollout_cancel import RolloutCancelUnsupported, check_acquire_server, track_rollout_requests
+from nemo_gym_browser.agent_attempt.rollout_cancel import (
+    RolloutCancelUnsupported,
+    check_acquire_server,
+    track_rollout_requests,
+)
 
 
 def bare(cls: type) -> Any:

@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_browser import environment, preflight, tasks
+from nemo_gym_browser import preflight
 from nemo_gym_browser.dataset import BrowserJSONLDataset
-from nemo_gym_browser.rows import VERIFIER_KEYS, RowValueError, validate_verifier_metadata
-from nemo_gym_browser.tasks import InputError
+from nemo_gym_browser.gym_contract import environment
+from nemo_gym_browser.gym_contract.rows import VERIFIER_KEYS, RowValueError, validate_verifier_metadata
+from nemo_gym_browser.task_lists import tasks
+from nemo_gym_browser.task_lists.tasks import InputError
 
 
 def refusal(spec: Any) -> str:

@@ -9,9 +9,9 @@ import pytest
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-from nemo_gym_browser import sample_fields
+from nemo_gym_browser.agent_attempt import sample_fields
+from nemo_gym_browser.agent_attempt.sample_fields import OptionalFields, complete_optional_fields
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
-from nemo_gym_browser.sample_fields import OptionalFields, complete_optional_fields
 
 
 def output(response: list[int], logprobs: list[float] | None = None, routed=None) -> AgentLoopOutput:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nemo_gym_browser.sample_flags import SampleFlags
+from nemo_gym_browser.agent_attempt.sample_flags import SampleFlags
 
 FAILED = SampleFlags(
     invalid=True,

@@ -11,10 +11,10 @@ import math
 import pytest
 from environment_fixtures import config
 
-from nemo_gym_browser.environment import EnvironmentClient, VerifyResult
-from nemo_gym_browser.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient, VerifyResult
+from nemo_gym_browser.gym_contract.failures import EnvironmentFailure, FailureKind
+from nemo_gym_browser.gym_contract.server_answers import BROWSER_GONE_OPENINGS, NO_SESSION_ERROR
 from nemo_gym_browser.local.faults.kinds import Fault
-from nemo_gym_browser.server_answers import BROWSER_GONE_OPENINGS, NO_SESSION_ERROR
 from nemo_gym_browser.settings import EnvironmentConfig
 
 START = "site/index.html"

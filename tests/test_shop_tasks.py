@@ -15,7 +15,7 @@ import pytest
 from nemo_gym_browser import prepare_webvoyager_data as prep
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
 from nemo_gym_browser.dataset import BrowserJSONLDataset
-from nemo_gym_browser.environment import VERIFIER_KEYS, EnvironmentClient
+from nemo_gym_browser.gym_contract.environment import VERIFIER_KEYS, EnvironmentClient
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local import shop_scripts
 from nemo_gym_browser.local import shop_tasks as st

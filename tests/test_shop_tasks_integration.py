@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_gym_browser.browser_agent_loop import close_shared_clients
-from nemo_gym_browser.environment import EnvironmentClient
+from nemo_gym_browser.gym_contract.environment import EnvironmentClient
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local import shop_scripts
 from nemo_gym_browser.local import shop_tasks as st

@@ -73,11 +73,14 @@ ENTRY_POINT_SCRIPT = textwrap.dedent(
 
 
 def recipe_folder(tmp_path: Path) -> Path:
-    """A copy of the recipe's top-level modules in a folder that is not installed anywhere."""
+    """A copy of the recipe's top-level modules and their folders in a folder that is not installed anywhere."""
     folder = tmp_path / "browser_recipe"
     folder.mkdir()
     for source in ROOT.glob("*.py"):
         shutil.copy(source, folder / source.name)
+    for package in ROOT.glob("*/__init__.py"):
+        if package.parent.name not in {"local", "testing"}:
+            shutil.copytree(package.parent, folder / package.parent.name, ignore=shutil.ignore_patterns("__pycache__"))
     return folder
 
 
@@ -120,7 +123,7 @@ def test_folder_on_pythonpath_installs_the_wiring_lazily_without_importing_torch
         "verl.trainer.ppo.v1.utils",
         "verl.trainer.ppo.v1.trainer_base",
     ]
-    assert state["legacy_wrapper_file"] == str(folder / "trainer_wrappers.py")
+    assert state["legacy_wrapper_file"] == str(folder / "trainer_side" / "trainer_wrappers.py")
     assert state["estimator_module"] == "nemo_gym_browser.group_stats"
     assert state["estimator_file"] == str(folder / "group_stats.py")
 
@@ -241,4 +244,4 @@ def test_the_patch_switch_off_still_lets_every_process_resolve_the_dataset_and_a
     assert state["dataset_file"] == str(folder / "dataset.py")
     # only the trainer wiring is off
     assert state["hook"] is False
-    assert state["legacy_wrapper_file"] != str(folder / "trainer_wrappers.py")
+    assert state["legacy_wrapper_file"] != str(folder / "trainer_side" / "trainer_wrappers.py")

@@ -35,8 +35,8 @@ from verl.protocol import DataProto
 from verl.trainer.ppo import ray_trainer
 from verl.trainer.ppo.reward import extract_reward
 
-from nemo_gym_browser import exclusion_watch, patches, start_pages
-from nemo_gym_browser.credentials import REDACTED, browser_side_environment, redact_url_credentials
+from nemo_gym_browser import patches, start_pages
+from nemo_gym_browser.gym_contract.credentials import REDACTED, browser_side_environment, redact_url_credentials
 from nemo_gym_browser.launch_environment import LocalEnvironment
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
@@ -44,6 +44,7 @@ from nemo_gym_browser.local.environment_server.server import InProcessEnvironmen
 from nemo_gym_browser.local.environment_server.site_model import Page, Site
 from nemo_gym_browser.local.in_process_loop import compose_trainer_config, make_row
 from nemo_gym_browser.prepare_webvoyager_data import main as prepare_data
+from nemo_gym_browser.trainer_side import exclusion_watch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "submit_webvoyager.sh"
 SHOP = "http://shop.example.test/"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from test_patches import new_uid, output, put_group, run_v1, v1_trainer
 
-from nemo_gym_browser import wiring
-from nemo_gym_browser.episode_metrics import episode_metrics
+from nemo_gym_browser.trainer_side import wiring
+from nemo_gym_browser.trainer_side.episode_metrics import episode_metrics
 
 
 def episode(reward: float, steps: int, *, invalid: bool = False) -> list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gym_browser.text import shorten
+from nemo_gym_browser.gym_contract.text import shorten
 
 
 def test_text_within_the_limit_is_returned_unchanged() -> None:

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from verl.workers.config import HFModelConfig
 
+from nemo_gym_browser.agent_attempt.stepwise import STEP_HISTORY_HEADER
 from nemo_gym_browser.local import policy_evaluation, policy_model, warm_start
 from nemo_gym_browser.local import shop_tasks as st
 from nemo_gym_browser.local import tiny_policy as tp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
-from nemo_gym_browser.stepwise import STEP_HISTORY_HEADER
 
 SMALL_MODEL = policy_model.ModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
 

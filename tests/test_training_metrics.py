@@ -33,14 +33,15 @@ from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1.utils import MetricsAggregator
 from verl.utils.dataset.rl_dataset import collate_fn
 
-from nemo_gym_browser import dropped_rollouts, patches, wiring
-from nemo_gym_browser.episode_metrics import FAILURE_KINDS, episode_metrics, metrics_from_columns
+from nemo_gym_browser import patches
+from nemo_gym_browser.agent_attempt.sample_flags import FLAG_KEYS, SampleFlags
 from nemo_gym_browser.local import scripted_policy as sp
 from nemo_gym_browser.local.chat_tokenizer import build_chat_tokenizer
 from nemo_gym_browser.local.environment_server.site_model import BUNDLED_ROOT
 from nemo_gym_browser.local.faults.kinds import Fault
 from nemo_gym_browser.local.in_process_loop import compose_trainer_config, make_row
-from nemo_gym_browser.sample_flags import FLAG_KEYS, SampleFlags
+from nemo_gym_browser.trainer_side import dropped_rollouts, wiring
+from nemo_gym_browser.trainer_side.episode_metrics import FAILURE_KINDS, episode_metrics, metrics_from_columns
 
 ABOUT = {"url_contains": "about.html"}
 ROLLOUT_TIMEOUT_S = 120
@@ -337,7 +338,7 @@ def test_a_rollout_dropped_in_another_process_reaches_the_trainers_process(tq):
     def drop_one(uid: str) -> int:
         import os
 
-        from nemo_gym_browser import dropped_rollouts as ledger
+        from nemo_gym_browser.trainer_side import dropped_rollouts as ledger
 
         asyncio.run(ledger.record(uid, DROPPED))
         return os.getpid()

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from nemo_gym_browser.environment import ToolResult
-from nemo_gym_browser.episode import BrowserEpisode
+from nemo_gym_browser.agent_attempt.episode import BrowserEpisode
+from nemo_gym_browser.gym_contract.environment import ToolResult
+from nemo_gym_browser.gym_contract.url_safety import UrlGuard, UrlRefused, is_public_address, parse_web_url
 from nemo_gym_browser.settings import UrlPolicy
-from nemo_gym_browser.url_safety import UrlGuard, UrlRefused, is_public_address, parse_web_url
 
 PUBLIC = "93.184.216.34"
 DNS = {

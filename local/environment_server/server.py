@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from ...browser_calls import (
+from ...gym_contract.browser_calls import (
     BROWSER_CLICK,
     BROWSER_FINISH,
     BROWSER_NAVIGATE,

@@ -158,7 +158,7 @@ def planned_faults(plan: Mapping[int, RowFault | Sequence[RowFault]]) -> Callabl
     reach the proxy, whichever of the group's episodes they are; a row's fault hits the rollouts numbered
     ``skip`` .. ``skip + rollouts - 1``. A row may carry several faults (for different rollouts or endpoints).
     """
-    from ...session_ids import parse_session_id
+    from ...gym_contract.session_ids import parse_session_id
 
     faults = {index: (f,) if isinstance(f, RowFault) else tuple(f) for index, f in plan.items()}
     for row_fault in (f for row in faults.values() for f in row):
@@ -227,7 +227,7 @@ def browser_call_faults(
     (lose_session) or ``timeout`` (hang, after the client's ``call_timeout_s``), ends the attempt and re-runs the
     rollout in a new session, which is drawn anew. Sessions of ``spare_tasks`` are never faulted.
     """
-    from ...browser_calls import BROWSER_FINISH, TOOL_NAMES
+    from ...gym_contract.browser_calls import BROWSER_FINISH, TOOL_NAMES
 
     _check_rate(rate)
     proxy_fault(kind)

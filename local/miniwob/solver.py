@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...browser_calls import SINGLE_TOOL_NAME
+from ...gym_contract.browser_calls import SINGLE_TOOL_NAME
 
 Call = dict[str, Any]
 Plan = Generator[Call, "Page", None]

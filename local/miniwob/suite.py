@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...rows import validate_initial_url, validate_verifier_metadata
-from ...task_rows import TOOL_INTERFACES, build_row
-from ...tasks import Task
+from ...gym_contract.rows import validate_initial_url, validate_verifier_metadata
+from ...task_lists.task_rows import TOOL_INTERFACES, build_row
+from ...task_lists.tasks import Task
 from .grading import GradeKey, GradeKeyError, verifier_metadata
 from .inventory import SPLITS, included_tasks, seeds
 from .pages import MiniWobMissing

@@ -159,7 +159,7 @@ async def serve(model_dir: Path, *, max_model_len: int, figures: dict[str, Any])
 
 
 def stage_client(served: Served) -> Stage:
-    from nemo_gym_browser.rollout_cancel import check_acquire_server, track_rollout_requests
+    from nemo_gym_browser.agent_attempt.rollout_cancel import check_acquire_server, track_rollout_requests
 
     stage = Stage("client: rollout_cancel tracks verl's client on the vllm path")
     client = served.client
@@ -209,7 +209,7 @@ def _summarise(trace: list[dict[str, Any]], max_tokens: int, counter_before: flo
 
 
 async def stage_cancel(served: Served, *, cut_s: float, watch_s: float, seed: int) -> tuple[Stage, dict[str, Any]]:
-    from nemo_gym_browser.rollout_cancel import generate_within
+    from nemo_gym_browser.agent_attempt.rollout_cancel import generate_within
 
     stage = Stage("cancel: a generation cut by generate_within stops decoding on the vLLM server")
     server, client, pids = served.server, served.client, served.pids
@@ -294,13 +294,13 @@ async def stage_tools(served: Served, *, episodes: int, seed: int) -> tuple[Stag
     import torch
     from verl.workers.rollout.llm_server import LLMServerClient
 
+    from nemo_gym_browser.agent_attempt.tool_parser import LenientHermesToolParser
     from nemo_gym_browser.browser_agent_loop import close_shared_clients
     from nemo_gym_browser.local import shop_tasks, warm_start
     from nemo_gym_browser.local.environment_server.server import InProcessEnvironmentServer
     from nemo_gym_browser.local.in_process_loop import build_loop, compose_trainer_config, load_tools
     from nemo_gym_browser.local.policy_evaluation import ACTIONS, MAX_TURN_TOKENS, is_tool_call
     from nemo_gym_browser.local.policy_model import PROMPT_LENGTH, RESPONSE_LENGTH
-    from nemo_gym_browser.tool_parser import LenientHermesToolParser
 
     stage = Stage("tools: the recipe's hermes parser reads vLLM's tool calls")
     turns: list[dict[str, Any]] = []

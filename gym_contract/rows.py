@@ -37,7 +37,7 @@ _CONTROL_CHARACTERS = frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 class RowValueError(ValueError):
     """A row value this recipe refuses: its JSON, its start URL, or ``verifier_metadata`` the server would grade
     wrongly or not at all. The message has no location: callers that read rows from a file add theirs
-    (``file:line``, :class:`~nemo_gym_browser.tasks.InputError`)."""
+    (``file:line``, :class:`~nemo_gym_browser.task_lists.tasks.InputError`)."""
 
 
 def _refuse_constant(name: str) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .browser_calls import SINGLE_TOOL_NAME, TOOL_NAMES, tool_function
+from ..gym_contract.browser_calls import SINGLE_TOOL_NAME, TOOL_NAMES, tool_function
 from .tasks import REFERENCE_FIELDS, Task
 
 DATA_SOURCE = "webvoyager"  # the rows' data_source: verl keys validation metrics by it (val-core/<source>/...)

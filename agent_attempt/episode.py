@@ -7,8 +7,8 @@ records the steps, the final answer, the last page, the counters and the first i
 attempt is :attr:`~BrowserEpisode.over` (a failure, the deadline, a finished task) every later tool call gets a
 closing message instead of reaching the browser.
 
-Errors: an infrastructure failure (an :class:`~nemo_gym_browser.failures.EnvironmentFailure`, an unmapped client
-error, a call hung past its bound, the hold limit) is recorded the moment it happens and ends the attempt; bad
+Errors: an infrastructure failure (an :class:`~nemo_gym_browser.gym_contract.failures.EnvironmentFailure`, an unmapped
+client error, a call hung past its bound, the hold limit) is recorded the moment it happens and ends the attempt; bad
 arguments, unknown actions, refused navigations and the deadline are policy outcomes the model reads. Clocks:
 ``episode_deadline_s`` counts environment time (wall time less time inside ``generate``), checked before each
 generation and around each browser call; ``session_hold_limit_s`` counts wall time, generation included
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from .browser_calls import (
+from ..gym_contract.browser_calls import (
     BROWSER_FINISH,
     BROWSER_NAVIGATE,
     NATIVE_TOOL_ACTIONS,
@@ -34,10 +34,10 @@ from .browser_calls import (
     TOOL_OF_ACTION,
     parse_tool_call,
 )
-from .environment import BrowserSession, ToolResult, parse_observation
-from .failures import EnvironmentFailure, FailureKind
-from .settings import plain_config
-from .url_safety import UrlGuard, UrlRefused
+from ..gym_contract.environment import BrowserSession, ToolResult, parse_observation
+from ..gym_contract.failures import EnvironmentFailure, FailureKind
+from ..gym_contract.url_safety import UrlGuard, UrlRefused
+from ..settings import plain_config
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from . import named_actors
 
 logger = logging.getLogger(__name__)
 
-AUTHORITY_ROLE = "nemo_gym_browser.placement"
+AUTHORITY_ROLE = "nemo_gym_browser.gym_contract.placement"
 # A waiting request returns empty-handed after this long and asks again, so every call has a bounded wait and a
 # request whose process died stops waiting by itself.
 _WAIT_POLL_S = 20.0
@@ -80,7 +80,7 @@ class Grant:
 
 
 class Placement(Protocol):
-    """What :class:`~nemo_gym_browser.environment.EnvironmentClient` needs from a placement host."""
+    """What :class:`~nemo_gym_browser.gym_contract.environment.EnvironmentClient` needs from a placement host."""
 
     async def acquire(self, servers: Sequence[str], cap: int, ticket: SessionTicket) -> Grant: ...
 

@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .failures import FAILURE_KINDS, FailureKind
-from .sample_flags import FLAG_KEYS, INVALID_KEY, SampleFlags
+from ..agent_attempt.sample_flags import FLAG_KEYS, INVALID_KEY, SampleFlags
+from ..gym_contract.failures import FAILURE_KINDS, FailureKind
 
 
 def episode_metrics(rows: Iterable[Mapping[str, Any] | None], dropped: Sequence[SampleFlags] = ()) -> dict[str, float]:

@@ -5,14 +5,14 @@ What this module owns
       session. One class serves the recipe's single ``browser`` tool (``action`` = observe / navigate / click /
       type / finish) and NeMo Gym's five native tools (``browser_observe`` ... ``browser_finish``); the tool
       name in the tool config decides which (``configs/browser_tool.yaml``, ``configs/browser_native_tools.yaml``).
-      The names and the grammar of a call's arguments are :mod:`~nemo_gym_browser.browser_calls`'.
+      The names and the grammar of a call's arguments are :mod:`~nemo_gym_browser.gym_contract.browser_calls`'.
     * :func:`default_tool_schema`: the schema each name gets when the tool config gives none.
 
 Lifetimes
     verl creates and releases a tool instance around every single call and turns every tool exception into a
     chat message, so the browser session cannot belong to the tool. It belongs to the agent loop's attempt
-    (:class:`~nemo_gym_browser.episode.BrowserEpisode`), which the loop hangs on verl's ``AgentData`` under
-    :data:`EPISODE_ATTRIBUTE` for the attempt's lifetime; the tool finds it there (:func:`episode_of`), never
+    (:class:`~nemo_gym_browser.agent_attempt.episode.BrowserEpisode`), which the loop hangs on verl's ``AgentData``
+    under :data:`EPISODE_ATTRIBUTE` for the attempt's lifetime; the tool finds it there (:func:`episode_of`), never
     through ``request_id``, which verl makes ``det-<priority>`` under ``full_determinism``.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from .browser_calls import NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, tool_function
+from ..gym_contract.browser_calls import NATIVE_TOOL_ACTIONS, SINGLE_TOOL_NAME, tool_function
 
 if TYPE_CHECKING:
     from .episode import BrowserEpisode

@@ -5,8 +5,8 @@ as ``task_metadata``; the aliases ``task_id``, ``question``, ``start_url``/``ini
 WebVoyager's field is absent, a differing pair recorded in ``Task.alias_conflicts``), or from a NeMo Gym row with the
 task fields this recipe adds (:func:`task_from_nemo_gym_row`; :func:`parse_record` tells the two apart), and
 WebVoyager's ``reference_answer.json`` (:func:`load_reference_answers`). Every task passes the one ``initial_url`` and
-``verifier_metadata`` rules of :mod:`~nemo_gym_browser.rows`, so a bad spec is refused with its location, not found
-as a 500 or a wrong reward at verify time; records JSON cannot carry (``NaN``, ``Infinity``, deep nesting) are
+``verifier_metadata`` rules of :mod:`~nemo_gym_browser.gym_contract.rows`, so a bad spec is refused with its location,
+not found as a 500 or a wrong reward at verify time; records JSON cannot carry (``NaN``, ``Infinity``, deep nesting) are
 refused before they reach an output file.
 
 Errors: every refusal is an :class:`InputError` (a ``ValueError``) naming the record's location (``file:line`` or a
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .rows import (
+from ..gym_contract.rows import (
     MAX_ROW_DEPTH,
     RowValueError,
     json_depth_exceeds,

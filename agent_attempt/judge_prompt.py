@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .settings import JudgeConfig
+from ..settings import JudgeConfig
 
 # Verdict tokens: one word each, neither a substring of the other, unlikely on a real web page.
 SUCCESS_TOKEN = "JUDGE_VERDICT_SUCCESS"

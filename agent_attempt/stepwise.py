@@ -19,9 +19,9 @@ from typing import Any
 
 from verl.experimental.agent_loop.tool_parser import FunctionCall
 
-from .environment import parse_observation
+from ..gym_contract.environment import parse_observation
+from ..settings import StepwiseSettings
 from .episode import Step
-from .settings import StepwiseSettings
 
 LEGACY_STEPWISE_MESSAGE = (
     "step-wise mode (stepwise.enabled: true) returns one sample per policy step, which only verl's V1 trainer "

@@ -1,8 +1,8 @@
 """The names the recipe's trainer wiring shares with verl and with itself: one definition each.
 
-``patches.py`` (installing the wrappers, imported at interpreter start-up) and ``trainer_wrappers.py`` (what the
-wrappers do) both read these, and so do the estimator and the local training stack. Standard library only: importing
-this module imports neither torch nor verl.
+The root's ``patches.py`` (installing the wrappers, imported at interpreter start-up) and ``trainer_wrappers.py``
+(what the wrappers do) both read these, and so do the estimator and the local training stack. Standard library only:
+importing this module imports neither torch nor verl.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Contract: the typed seed (``/seed_session`` with a caller-chosen ``resources_ses
 endpoints, ``/verify`` with the body the server requires, and the typed ``/close_session``, each under an explicit
 timeout. Every outcome is either an :class:`EnvironmentFailure` (the infrastructure failed; it carries a
 :class:`FailureKind`) or a :class:`ToolResult` whose ``error`` the policy reads. What an answer's bytes and error
-text mean is read by :mod:`~nemo_gym_browser.server_answers`, never from text the policy wrote. Sessions are spread
-over servers by :mod:`~nemo_gym_browser.placement`.
+text mean is read by :mod:`~nemo_gym_browser.gym_contract.server_answers`, never from text the policy wrote. Sessions
+are spread over servers by :mod:`~nemo_gym_browser.gym_contract.placement`.
 
 Lifetimes: ``async with client.session(...) as session`` holds a placement slot, seeds on entry, closes on exit and
 gives the slot back, whatever ended the block. ``close()`` sends the typed close even when the seed failed (a seed
@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..settings import EnvironmentConfig
 from . import session_ids
 from .browser_calls import (
     BROWSER_CLICK,
@@ -54,7 +55,6 @@ from .server_answers import (
     parse_json,
     read_body,
 )
-from .settings import EnvironmentConfig
 from .text import shorten
 
 logger = logging.getLogger(__name__)

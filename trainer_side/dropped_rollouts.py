@@ -3,7 +3,8 @@
 With ``NEMO_GYM_BROWSER_DROP_INVALID=1`` a rollout still invalid after its attempts returns ``[]``, and verl 0.9.1's
 V1 trainer stores nothing for it: the step metrics, built from what TransferQueue holds, would read an invalid rate
 of 0 however many rollouts failed. So the agent loop records every rollout it drops here (:func:`record`: its prompt
-group ``uid`` and its flags), and the trainer wiring (``patches.py``) takes the records back when it builds metrics.
+group ``uid`` and its flags), and the trainer wiring (the root's ``patches.py``) takes the records back when it builds
+metrics.
 
 What it guarantees
     * Counted once: :func:`take` removes what it returns.
@@ -26,12 +27,12 @@ import logging
 import time
 from collections.abc import Collection
 
-from . import named_actors
-from .sample_flags import SampleFlags
+from ..agent_attempt.sample_flags import SampleFlags
+from ..gym_contract import named_actors
 
 logger = logging.getLogger(__name__)
 
-LEDGER_ROLE = "nemo_gym_browser.dropped_rollouts"
+LEDGER_ROLE = "nemo_gym_browser.trainer_side.dropped_rollouts"
 _CALL_TIMEOUT_S = 30.0
 # A ledger nobody wrote to or read for this long belongs to a run that ended: it exits.
 _IDLE_EXIT_S = 24 * 3600.0

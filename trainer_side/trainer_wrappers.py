@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .sample_flags import INVALID_INFO_KEY, INVALID_KEY, SampleFlags
+from ..agent_attempt.sample_flags import INVALID_INFO_KEY, INVALID_KEY, SampleFlags
 from .wiring import (
     ADVANTAGE_LOG_ENV,
     CORE_ALGOS,
@@ -98,7 +98,7 @@ def make_compute_advantage_wrapper(original: Callable[..., Any]) -> Callable[...
 
 def _env_aware_advantage(data: Any, flags: Any, norm_adv_by_std_in_grpo: bool, config: Any) -> Any:
     """The legacy GRPO branch of ``compute_advantage`` with ``grpo_env_aware`` in place of stock GRPO."""
-    from . import group_stats
+    from .. import group_stats
 
     if "response_mask" not in data.batch.keys():
         data.batch["response_mask"] = sys.modules[RAY_TRAINER].compute_response_mask(data)

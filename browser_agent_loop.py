@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import time
 import weakref
@@ -34,6 +35,7 @@ from verl.utils.profiler import simple_timer
 from . import trajectories
 from .agent_attempt.browser_tool import AGENT_LOOP_NAME, EPISODE_ATTRIBUTE, BrowserTool, episode_of
 from .agent_attempt.episode import BrowserEpisode, EpisodeSpec
+from .agent_attempt.resume import AttemptSessions
 from .agent_attempt.rollout_cancel import generate_within, track_rollout_requests
 from .agent_attempt.sample_fields import OptionalFields, complete_optional_fields
 from .agent_attempt.sample_flags import INVALID_KEY, SampleFlags
@@ -145,6 +147,8 @@ class _Rollout:
     attempts: int = 0
     failed_kinds: list[str] = field(default_factory=list)
     failed_after_action_kinds: list[str] = field(default_factory=list)  # the failed attempts the policy had acted in
+    resumed_kinds: list[str] = field(default_factory=list)  # the failures resumed from, every attempt's
+    resume_diverged: int = 0  # resumes given up on every attempt because the replayed page differed
     timings: dict[str, float] = field(default_factory=lambda: {"generate_sequences": 0.0, "tool_calls": 0.0})
     outcome: _AttemptOutcome = field(default_factory=lambda: _AttemptOutcome(outputs=[], failure=None))
 
@@ -163,6 +167,8 @@ class _Rollout:
             episode_wall_s=round(time.monotonic() - self.started, 4),
             refused_navigations=episode.refused_navigations if episode else 0,
             browser_actions=episode.browser_actions if episode else 0,
+            resumed_kinds=tuple(self.resumed_kinds),
+            resume_diverged=self.resume_diverged,
         )
 
 
@@ -272,6 +278,9 @@ class BrowserToolAgentLoop(ToolAgentLoop):
             for step_output in outcome.outputs:
                 for key in rollout.timings:
                     rollout.timings[key] += float(getattr(step_output.metrics, key, 0.0) or 0.0)
+            if outcome.episode is not None:
+                rollout.resumed_kinds.extend(outcome.episode.resumed_kinds)
+                rollout.resume_diverged += outcome.episode.resume_diverged
             if outcome.failure is None:
                 return
             rollout.failed_kinds.append(outcome.failure.kind.value)
@@ -338,44 +347,51 @@ class BrowserToolAgentLoop(ToolAgentLoop):
         client = shared_environment_client(self.settings.environment)
         label = f"rollout {rollout_id} attempt {attempt}"
         start_url = spec.initial_url if url_scheme(spec.initial_url or "") else None
-        episode: BrowserEpisode | None = None
         outputs: list[AgentLoopOutput] = []
         outcome = _AttemptOutcome(outputs=[], failure=None)
-        try:
-            async with client.session(
+        sessions = AttemptSessions(
+            functools.partial(
+                client.session,
                 rollout_id=rollout_id,
                 attempt=attempt,
                 task_id=spec.task_id,
                 initial_url=spec.initial_url,
                 verifier_metadata=spec.verifier_metadata,
                 taskset=spec.taskset,
-            ) as session:
-                episode = BrowserEpisode(
-                    session=session,
-                    guard=UrlGuard(self.settings.url_policy, start_url),
-                    deadline_s=self.settings.episode_deadline_s,
-                    hold_limit_s=self.settings.session_hold_limit_s,
-                    call_bound_s=self.settings.environment.call_timeout_s + CALL_TIMEOUT_GRACE_S,
-                    label=label,
-                )
-                token = _CURRENT_EPISODE.set(episode)
+            )
+        )
+        try:
+            try:
+                session = await sessions.open()
+            except EnvironmentFailure as failure:  # the first seed: nothing ran
+                logger.warning("%s: could not open a session (%s): %s", label, failure.kind.value, failure.reason)
+                outcome.failure = failure
+                return outcome
+            episode = BrowserEpisode(
+                session=session,
+                guard=UrlGuard(self.settings.url_policy, start_url),
+                deadline_s=self.settings.episode_deadline_s,
+                hold_limit_s=self.settings.session_hold_limit_s,
+                call_bound_s=self.settings.environment.call_timeout_s + CALL_TIMEOUT_GRACE_S,
+                label=label,
+                reopen=sessions.open,
+                resume=self.settings.resume,
+            )
+            token = _CURRENT_EPISODE.set(episode)
+            try:
+                if self.settings.stepwise.enabled:
+                    outputs = await self._run_steps(sampling_params, kwargs, episode)
+                else:
+                    outputs = [await ToolAgentLoop.run(self, sampling_params, **kwargs)]
+            finally:
+                _CURRENT_EPISODE.reset(token)
+            if episode.failure is None and spec.verifier_metadata:
                 try:
-                    if self.settings.stepwise.enabled:
-                        outputs = await self._run_steps(sampling_params, kwargs, episode)
-                    else:
-                        outputs = [await ToolAgentLoop.run(self, sampling_params, **kwargs)]
-                finally:
-                    _CURRENT_EPISODE.reset(token)
-                if episode.failure is None and spec.verifier_metadata:
-                    try:
-                        outcome.reward, outcome.reward_source = (await session.verify()).reward, "verify"
-                    except EnvironmentFailure as failure:
-                        episode.fail(failure)
-        except EnvironmentFailure as failure:  # raised while opening the session: nothing ran
-            logger.warning("%s: could not open a session (%s): %s", label, failure.kind.value, failure.reason)
-            outcome.failure = failure
-            return outcome
-        assert episode is not None
+                    outcome.reward, outcome.reward_source = (await episode.verify()).reward, "verify"
+                except EnvironmentFailure as failure:
+                    episode.fail(failure)
+        finally:
+            await asyncio.shield(sessions.close())
         if episode.failure is None and not spec.verifier_metadata:
             await self._score_with_judge(episode, spec, rollout_id, outcome)
         outcome.outputs = outputs

@@ -221,6 +221,20 @@ class StepwiseSettings(Settings):
     )
 
 
+class ResumeSettings(Settings):
+    """Resuming an attempt whose session failed under a browser call or verify: a new session, the policy's calls so
+    far replayed and checked against the pages it read, the same sample continued. 0 resumes: re-run at once."""
+
+    section: ClassVar[str] = f"{TRAINER_CONFIG_SECTION}.resume"
+
+    max_per_episode: int = Field(
+        4, ge=0, description="Resumes per attempt; past them a failure re-runs the rollout (max_attempts)."
+    )
+    max_per_call: int = Field(
+        2, ge=0, description="Resumes for one failing call; past them the attempt fails and the rollout is re-run."
+    )
+
+
 class JudgeConfig(Settings):
     """The binary LLM judge for tasks without verifier_metadata: any OpenAI-compatible chat-completions endpoint."""
 
@@ -293,7 +307,10 @@ class BrowserLoopSettings(Settings):
         "longest time the trainer holds generation.",
     )
     max_attempts: int = Field(
-        3, ge=1, description="An infrastructure failure re-runs the rollout in a new session, up to this many times."
+        3,
+        ge=1,
+        description="An infrastructure failure that cannot be resumed re-runs the rollout in a new session, up to "
+        "this many times.",
     )
     resample_backoff_s: float = Field(
         1.0, ge=0, description="Wait before the second attempt; doubles per further attempt (at most 30 s)."
@@ -331,6 +348,9 @@ class BrowserLoopSettings(Settings):
         None, description="A folder: one JSONL record per rollout (python -m nemo_gym_browser.trajectories); null: off."
     )
     stepwise: StepwiseSettings = Field(default_factory=StepwiseSettings, description="Step-wise samples.")
+    resume: ResumeSettings = Field(
+        default_factory=ResumeSettings, description="Resuming after an infrastructure failure instead of re-running."
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -29,6 +29,7 @@ from .settings import (
     BrowserLoopSettings,
     EnvironmentConfig,
     JudgeConfig,
+    ResumeSettings,
     Settings,
     StepwiseSettings,
     UrlPolicy,
@@ -258,7 +259,7 @@ def _layers_section() -> list[str]:
 def configuration_reference() -> str:
     """The Markdown text of ``docs/configuration.md``: one table per settings section."""
     lines = [REFERENCE_HEADER]
-    for model in (BrowserLoopSettings, EnvironmentConfig, UrlPolicy, StepwiseSettings, JudgeConfig):
+    for model in (BrowserLoopSettings, EnvironmentConfig, UrlPolicy, StepwiseSettings, ResumeSettings, JudgeConfig):
         lines.extend(_section_table(model))
     lines.extend(_layers_section())
     lines.extend(_environment_section())

@@ -141,6 +141,21 @@ def _steps_of(steps: Sequence[Step]) -> list[dict[str, Any]]:
     return [step_record(index, step) for index, step in enumerate(steps[:MAX_STEPS])]
 
 
+def _resumes_of(episode: Any) -> list[dict[str, Any]]:
+    """Where the final attempt's sessions failed and what resuming did (:class:`~.agent_attempt.episode.Resume`)."""
+    return [
+        {
+            "after_steps": resume.after_steps,
+            "kind": resume.kind,
+            "outcome": resume.outcome,
+            "replayed_calls": resume.replayed_calls,
+            "seconds": round(resume.seconds, 3),
+            "detail": _cut(redact_text(resume.detail), REASON_CHARS),
+        }
+        for resume in getattr(episode, "resumes", ())[:MAX_STEPS]
+    ]
+
+
 def _last_page(episode: Any) -> dict[str, Any] | None:
     observation = getattr(episode, "last_observation", None) if episode is not None else None
     if not observation:
@@ -219,6 +234,8 @@ def episode_record(
         "reward": float(reward) if reward is not None else None,
         "flags": shown_flags,
         "failed_attempt_kinds": list(flags.failed_attempt_kinds),
+        "resumed_kinds": list(flags.resumed_kinds),
+        "resumes": _resumes_of(episode) if episode is not None else [],
         "steps": _steps_of(episode.steps) if episode is not None else [],
         "final_answer": _cut(redact_text(getattr(episode, "final_answer", None)), ANSWER_CHARS) if episode else None,
         "last_page": _last_page(episode),

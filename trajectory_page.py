@@ -74,6 +74,15 @@ class _PageShape(_Shape):
     text: Scalar = None
 
 
+class _ResumeShape(_Shape):
+    after_steps: StrictInt
+    kind: Scalar = None
+    outcome: Scalar = None
+    replayed_calls: StrictInt = 0
+    seconds: Number = 0.0
+    detail: Scalar = None
+
+
 class _RecordShape(_Shape):
     """What the page reads of a record, with the types it relies on (other keys pass unread)."""
 
@@ -91,6 +100,8 @@ class _RecordShape(_Shape):
     last_model_turn: Scalar = None
     steps: list[_StepShape] = []
     failed_attempt_kinds: list[Scalar] = []
+    resumed_kinds: list[Scalar] = []
+    resumes: list[_ResumeShape] = []
     last_page: _PageShape | None = None
 
 
@@ -292,6 +303,7 @@ background:#e3e7ee;margin-right:4px}.tag.bad{background:#f6d4d4;color:#8a1c1c}.t
 table.adv{border-collapse:collapse;width:100%;margin:4px 0}table.adv th{text-align:left;font-weight:normal;color:#556}
 table.adv td{text-align:right;font:600 14px ui-monospace,monospace}.pos{color:#1b7a3a}.neg{color:#b3261e}
 .zero{color:#667}ol.steps{margin:6px 0;padding-left:22px;font-size:12px}ol.steps li{margin:2px 0;word-break:break-word}
+ol.steps li.resume{list-style:none;color:#a60;font-style:italic}
 .action{font-weight:600}code{font:12px ui-monospace,monospace;background:#eef0f4;padding:0 2px}
 .when{color:#889;font-size:11px}.answer,.page-seen,.reason,.said{font-size:12px;margin:4px 0;word-break:break-word}
 """
@@ -345,8 +357,22 @@ def _episode_html(episode: Episode) -> str:
         tags.append('<span class="tag bad">deadline hit</span>')
     for failed in record.get("failed_attempt_kinds") or []:
         tags.append(f'<span class="tag">failed attempt: {_e(failed)}</span>')
+    for resumed in record.get("resumed_kinds") or []:
+        tags.append(f'<span class="tag">resumed after: {_e(resumed)}</span>')
+    resumes: dict[int, list[Mapping[str, Any]]] = {}
+    for resume in record.get("resumes") or []:
+        resumes.setdefault(resume["after_steps"], []).append(resume)
     steps = []
-    for step in record.get("steps") or []:
+    for index, step in enumerate([*(record.get("steps") or []), None]):
+        for resume in resumes.get(index, []):  # a session failed here: the next call was made again, or not
+            detail = f": {resume['detail']}" if resume.get("detail") else ""
+            steps.append(
+                f'<li class="resume">{_e(resume.get("kind"))}, {_e(resume.get("outcome"))}: '
+                f"{_e(resume.get('replayed_calls'))} call(s) replayed in {float(resume.get('seconds') or 0):.1f} s"
+                f"{_e(detail)}</li>"
+            )
+        if step is None:
+            break
         when = f' <span class="when">{step["at_s"]:.1f} s</span>' if isinstance(step.get("at_s"), (int, float)) else ""
         arguments = f"(<code>{_e(_shown_arguments(step.get('arguments')))}</code>)" if step.get("arguments") else ""
         steps.append(

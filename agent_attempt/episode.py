@@ -1,18 +1,17 @@
 """One attempt at a task: what the row asks for (:class:`EpisodeSpec`) and the attempt's live state and clocks
 (:class:`BrowserEpisode`).
 
-Lifetimes: a :class:`BrowserEpisode` lives exactly as long as its attempt's environment session: the agent loop
-builds it once the session is seeded and drops it when the session is closed; it never closes the session. It
-records the steps, the final answer, the last page, the counters and the first infrastructure failure; once the
-attempt is :attr:`~BrowserEpisode.over` (a failure, the deadline, a finished task) every later tool call gets a
-closing message instead of reaching the browser.
+Lifetimes: a :class:`BrowserEpisode` lives as long as its attempt: the agent loop builds it once the first session
+is seeded and owns every session the attempt opens (a resume opens the next through ``reopen``); the episode never
+closes one. It records the steps, the final answer, the last page, the counters, the resumes and the first
+infrastructure failure; once :attr:`~BrowserEpisode.over` every later tool call gets a closing message.
 
-Errors: an infrastructure failure (an :class:`~nemo_gym_browser.gym_contract.failures.EnvironmentFailure`, an unmapped
-client error, a call hung past its bound, the hold limit) is recorded the moment it happens and ends the attempt; bad
-arguments, unknown actions, refused navigations and the deadline are policy outcomes the model reads. Clocks:
-``episode_deadline_s`` counts environment time (wall time less time inside ``generate``), checked before each
-generation and around each browser call; ``session_hold_limit_s`` counts wall time, generation included
-(``docs/agent-loop.md``).
+Errors: an infrastructure failure under a browser call or ``/verify`` is first resumed (a new session, the calls so
+far replayed and checked, :mod:`.resume`) within the budgets of ``ResumeSettings``; what cannot be resumed (another
+page, budget spent, an unmapped error, the hold limit) is recorded and ends the attempt. Bad arguments, unknown
+actions, refused navigations and the deadline are policy outcomes the model reads. Clocks: ``episode_deadline_s``
+counts environment time (wall time less time in ``generate`` and in replays); ``session_hold_limit_s`` counts wall
+time (``docs/agent-loop.md``).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -34,10 +33,11 @@ from ..gym_contract.browser_calls import (
     TOOL_OF_ACTION,
     parse_tool_call,
 )
-from ..gym_contract.environment import BrowserSession, ToolResult, parse_observation
+from ..gym_contract.environment import BrowserSession, ToolResult, VerifyResult, parse_observation
 from ..gym_contract.failures import EnvironmentFailure, FailureKind
 from ..gym_contract.url_safety import UrlGuard, UrlRefused
-from ..settings import plain_config
+from ..settings import ResumeSettings, plain_config
+from .resume import RESUMABLE_KINDS, ReplayedStep, page_fingerprint, replay
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class Step:
     outcome: StepOutcome = StepOutcome.OK
     detail: str | None = None  # the browser's error, the refusal, or why the call is invalid
     elapsed_s: float = 0.0  # from the session's opening to the step's end, the model's time included
+    page: str | None = None  # the fingerprint of the observation the policy read (a resume's replay checks it)
 
     @property
     def reached_browser(self) -> bool:
@@ -79,6 +80,9 @@ class Step:
     def tool(self) -> str:
         """The environment's name of the action (``browser_click``), what the session is called with."""
         return TOOL_OF_ACTION.get(self.action, self.action)
+
+    def replayed(self) -> ReplayedStep:
+        return ReplayedStep(self.tool, self.arguments, self.outcome is StepOutcome.ERROR, self.page)
 
     def __str__(self) -> str:
         if self.outcome is StepOutcome.INVALID:
@@ -98,6 +102,18 @@ def render_result(result: ToolResult) -> str:
     if result.done:
         return result.observation or "Finished: your answer was recorded."
     return result.observation or "(the browser returned no observation)"
+
+
+@dataclass(frozen=True)
+class Resume:
+    """One infrastructure failure the episode tried to resume from, as its trajectory record shows it."""
+
+    after_steps: int  # the steps recorded when it failed: the failed call is the next one
+    kind: str  # the FailureKind value
+    outcome: str  # "resumed", "diverged" (the replayed page differed), "failed" (the new session failed too)
+    replayed_calls: int = 0
+    seconds: float = 0.0
+    detail: str | None = None  # where a replay differed, or how the new session failed
 
 
 @dataclass(frozen=True)
@@ -157,8 +173,14 @@ class BrowserEpisode:
         hold_limit_s: float,
         call_bound_s: float,
         label: str,
+        reopen: Callable[[], Awaitable[BrowserSession]] | None = None,
+        resume: ResumeSettings | None = None,
     ) -> None:
         self.session = session
+        self._reopen = reopen
+        self.resume_settings = resume if resume is not None else ResumeSettings()
+        self.resumes: list[Resume] = []
+        self.replay_s = 0.0  # time spent replaying: the environment's repair, never the policy's deadline
         self.guard = guard
         self.deadline_s = deadline_s
         self.hold_limit_s = hold_limit_s
@@ -191,10 +213,19 @@ class BrowserEpisode:
         return self.failure is not None or self.deadline_hit or self.finished
 
     def environment_s(self) -> float:
-        """Seconds on the environment clock: held so far, less the time spent inside the model's generate."""
+        """Seconds on the environment clock: held so far, less the time inside the model's generate and replays."""
         now = time.monotonic()
         generating = now - self._generating_since if self._generating_since is not None else 0.0
-        return now - self.started - self.model_s - generating
+        return now - self.started - self.model_s - generating - self.replay_s
+
+    @property
+    def resumed_kinds(self) -> tuple[str, ...]:
+        """The kinds of the failures this episode resumed from, oldest first."""
+        return tuple(resume.kind for resume in self.resumes if resume.outcome == "resumed")
+
+    @property
+    def resume_diverged(self) -> int:
+        return sum(resume.outcome == "diverged" for resume in self.resumes)
 
     def remaining(self) -> float:
         """Environment time left before the deadline."""
@@ -264,7 +295,7 @@ class BrowserEpisode:
         self.tool_calls += 1
         self.browser_actions += tool != BROWSER_FINISH
         try:
-            result = await self._bounded_call(tool, arguments)
+            result = await self._call_resuming(tool, arguments)
         except EnvironmentFailure as failure:
             self.fail(failure)
             return ABANDONED_MESSAGE
@@ -277,6 +308,59 @@ class BrowserEpisode:
             self.hit_deadline(tool)
             return DEADLINE_MESSAGE
         return render_result(result)
+
+    async def _resumed(self, failure: EnvironmentFailure, resumed_here: int) -> bool:
+        """Whether the episode stands, after ``failure``, on a new session where the old one was (then the failed
+        call is made again on it). ``resumed_here``: resumes already made for this call."""
+        budget = self.resume_settings
+        if (
+            self._reopen is None
+            or failure.kind not in RESUMABLE_KINDS
+            or resumed_here >= budget.max_per_call
+            or len(self.resumes) >= budget.max_per_episode
+            or self.remaining() <= 0  # past the deadline the episode would end as it stands: the failure is its end
+            or self.hold_remaining() <= 0
+        ):
+            return False
+        started = time.monotonic()
+        steps = [step.replayed() for step in self.steps if step.reached_browser]
+        outcome, calls, detail = "failed", 0, None
+        try:
+            self.session = await self._reopen()  # the loop closes the lost one
+            done = await replay(self.session, steps, self.call_bound_s)
+            outcome, calls, detail = ("resumed" if done.matched else "diverged"), done.calls, done.mismatch
+        except EnvironmentFailure as again:
+            detail = f"{again.kind.value}: {again.reason}"
+        finally:
+            seconds = time.monotonic() - started
+            self.replay_s += seconds
+            self.resumes.append(Resume(len(self.steps), failure.kind.value, outcome, calls, seconds, detail))
+        log = logger.info if outcome == "resumed" else logger.warning
+        log("%s: %s after %s (%d call(s) replayed in %.1fs)%s", self.label, outcome, failure.kind.value, calls,
+            seconds, f": {detail}" if detail else "")  # fmt: skip
+        return outcome == "resumed"
+
+    async def _call_resuming(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """One browser call; after an infrastructure failure, resumed and made again while the budgets allow."""
+        resumed_here = 0
+        while True:
+            try:
+                return await self._bounded_call(tool, arguments)
+            except EnvironmentFailure as failure:
+                if not await self._resumed(failure, resumed_here):
+                    raise
+                resumed_here += 1
+
+    async def verify(self) -> VerifyResult:
+        """The server's grade of the episode, resumed like a browser call when the session is lost under it."""
+        resumed_here = 0
+        while True:
+            try:
+                return await self.session.verify()
+            except EnvironmentFailure as failure:
+                if not await self._resumed(failure, resumed_here):
+                    raise
+                resumed_here += 1
 
     async def _bounded_call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
         """One browser action, bounded by the per-call timeout only.
@@ -293,8 +377,10 @@ class BrowserEpisode:
                 FailureKind.TIMEOUT, f"{tool} did not answer within {self.call_bound_s:g}s"
             ) from None
 
-    def _add_step(self, action: str, arguments: dict[str, Any], outcome: StepOutcome, detail: str | None) -> None:
-        self.steps.append(Step(action, dict(arguments), outcome, detail, time.monotonic() - self.started))
+    def _add_step(
+        self, action: str, arguments: dict[str, Any], outcome: StepOutcome, detail: str | None, page: str | None = None
+    ) -> None:
+        self.steps.append(Step(action, dict(arguments), outcome, detail, time.monotonic() - self.started, page))
 
     def _record(self, tool: str, arguments: dict[str, Any], result: ToolResult) -> None:
         action = NATIVE_TOOL_ACTIONS[tool]
@@ -302,7 +388,7 @@ class BrowserEpisode:
             self.policy_errors += 1
             self._add_step(action, arguments, StepOutcome.ERROR, result.error)
         else:
-            self._add_step(action, arguments, StepOutcome.OK, None)
+            self._add_step(action, arguments, StepOutcome.OK, None, page_fingerprint(result.observation))
         if action in ("navigate", "click", "type"):
             self._page_changed = True  # before the page is read: what the policy's own action led to is not the start
         if result.observation:

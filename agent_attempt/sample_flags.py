@@ -29,6 +29,8 @@ FAILED_AFTER_ACTION_KINDS_KEY = "env_failed_after_action_kinds"
 EPISODE_WALL_KEY = "env_episode_wall_s"
 REFUSED_NAVIGATIONS_KEY = "env_refused_navigations"
 BROWSER_ACTIONS_KEY = "env_browser_actions"
+RESUMED_KINDS_KEY = "env_resumed_kinds"
+RESUME_DIVERGED_KEY = "env_resume_diverged"
 STEP_KEY = "env_step"  # step-wise mode only: this step sample's number, from 1
 STEPS_KEY = "env_steps"  # step-wise mode only: the episode's step samples
 # The keys every sample of the loop carries (step-wise samples add STEP_KEY and STEPS_KEY).
@@ -44,6 +46,8 @@ FLAG_KEYS = (
     EPISODE_WALL_KEY,
     REFUSED_NAVIGATIONS_KEY,
     BROWSER_ACTIONS_KEY,
+    RESUMED_KINDS_KEY,
+    RESUME_DIVERGED_KEY,
 )
 # verl's own extra_fields key whose per-sample numbers it averages into the validation metrics.
 REWARD_EXTRA_INFO_KEY = "reward_extra_info"
@@ -66,6 +70,8 @@ class SampleFlags:
     episode_wall_s: float = 0.0  # the rollout's wall time over all its attempts
     refused_navigations: int = 0
     browser_actions: int = 0  # calls that acted on the page (finish not counted), final attempt
+    resumed_kinds: tuple[str, ...] = ()  # kinds of the failures the rollout resumed from (same sample, new session)
+    resume_diverged: int = 0  # resumes given up on because the replayed page differed from the one the policy read
     step: int | None = None  # step-wise mode: this sample's step number, from 1
     steps: int | None = None  # step-wise mode: the episode's number of step samples
 
@@ -90,6 +96,7 @@ class SampleFlags:
             "env/episode_wall_s": float(self.episode_wall_s),
             "env/browsed": float(self.browser_actions > 0),
             "env/browser_actions": float(self.browser_actions),
+            "env/resumed": float(len(self.resumed_kinds)),
         }
 
     def extra_fields(self) -> dict[str, Any]:
@@ -106,6 +113,8 @@ class SampleFlags:
             EPISODE_WALL_KEY: self.episode_wall_s,
             REFUSED_NAVIGATIONS_KEY: self.refused_navigations,
             BROWSER_ACTIONS_KEY: self.browser_actions,
+            RESUMED_KINDS_KEY: list(self.resumed_kinds),
+            RESUME_DIVERGED_KEY: self.resume_diverged,
         }
         if self.step is not None:
             fields.update({STEP_KEY: self.step, STEPS_KEY: self.steps})
@@ -131,6 +140,8 @@ class SampleFlags:
             episode_wall_s=float(fields.get(EPISODE_WALL_KEY) or 0.0),
             refused_navigations=int(fields.get(REFUSED_NAVIGATIONS_KEY) or 0),
             browser_actions=int(fields.get(BROWSER_ACTIONS_KEY) or 0),
+            resumed_kinds=_kinds(fields.get(RESUMED_KINDS_KEY)),
+            resume_diverged=int(fields.get(RESUME_DIVERGED_KEY) or 0),
             step=int(step) if step is not None else None,
             steps=int(steps) if steps is not None else None,
         )

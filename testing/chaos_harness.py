@@ -87,6 +87,7 @@ class ChaosRun:
             episode_deadline_s=settings.episode_deadline_s,
             max_attempts=settings.max_attempts,
             resample_backoff_s=settings.resample_backoff_s,
+            resume={"max_per_episode": settings.resume_max_per_episode},
             url_policy={"allowlist": [DEAD_URL.rstrip("/")]},
             judge=judge_settings,
         )

@@ -158,6 +158,9 @@ class ChaosSettings:
     episode_deadline_s: float = 4.0
     max_attempts: int = 3
     resample_backoff_s: float = 0.2
+    # Resumes per episode: 0, so each fault ends its attempt and the blame is read per attempt (resumes are tested on
+    # their own: tests/test_resume.py).
+    resume_max_per_episode: int = 0
     max_sessions_per_server: int = 64
     max_assistant_turns: int = 8
     think_time_s: float = 0.0  # every turn of every rollout

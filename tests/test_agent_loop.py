@@ -171,19 +171,42 @@ FAULTS = [
 ]
 
 
+# Resuming off: the re-run path, which is what a failure that cannot be resumed meets (resumes: test_resume.py).
+NO_RESUME = {"max_per_episode": 0}
+
+
 @pytest.mark.parametrize(("endpoint", "fault", "kind", "generations"), FAULTS)
 async def test_an_infrastructure_fault_is_flagged_with_its_kind_and_the_rollout_recovers_on_a_new_session(
     h, endpoint, fault, kind, generations
 ):
     h.server.inject(endpoint, fault, on_call=1)
 
-    output, policy = await h.run(WALK, environment={"call_timeout_s": HANG_CALL_TIMEOUT_S})
+    output, policy = await h.run(WALK, environment={"call_timeout_s": HANG_CALL_TIMEOUT_S}, resume=NO_RESUME)
 
     assert output.reward_score == 1.0
     assert flags(output) == {**VALID_VERIFY, "env_attempts": 2}
     assert output.extra_fields["env_failed_attempt_kinds"] == [kind]
     # The failed attempt stopped at once: no model call after the failure, then a whole new episode.
     assert policy.calls == generations + WALK_TURNS
+    assert len(h.server.session_ids) == 2
+    assert h.server.events(h.server.session_ids[1]) == ["seed", "observe", "click", "finish", "verify", "close"]
+    assert h.all_closed()
+
+
+@pytest.mark.parametrize(("endpoint", "fault", "kind", "generations"), FAULTS)
+async def test_a_fault_under_a_call_is_resumed_in_a_new_session_keeping_the_sample_and_the_rest_re_run(
+    h, endpoint, fault, kind, generations
+):
+    h.server.inject(endpoint, fault, on_call=1)
+
+    output, policy = await h.run(WALK, environment={"call_timeout_s": HANG_CALL_TIMEOUT_S})
+
+    resumed = kind not in ("seed_failed", "verify_unavailable")  # no session yet; a grade refused, not a session lost
+    assert output.reward_score == 1.0
+    assert flags(output) == {**VALID_VERIFY, "env_attempts": 1 if resumed else 2}
+    assert output.extra_fields["env_resumed_kinds"] == ([kind] if resumed else [])
+    assert output.extra_fields["env_failed_attempt_kinds"] == ([] if resumed else [kind])
+    assert policy.calls == (0 if resumed else generations) + WALK_TURNS  # resumed: the model never asked again
     assert len(h.server.session_ids) == 2
     assert h.server.events(h.server.session_ids[1]) == ["seed", "observe", "click", "finish", "verify", "close"]
     assert h.all_closed()
@@ -213,7 +236,7 @@ async def test_a_rollout_still_failing_after_its_attempts_is_kept_flagged_invali
 ):
     h.server.inject(endpoint, fault)
 
-    output, _ = await h.run(WALK, max_attempts=3, environment={"call_timeout_s": HANG_CALL_TIMEOUT_S})
+    output, _ = await h.run(WALK, max_attempts=3, environment={"call_timeout_s": HANG_CALL_TIMEOUT_S}, resume=NO_RESUME)
 
     assert flags(output) == {
         "env_invalid": True,
@@ -244,7 +267,11 @@ async def test_a_hung_call_is_an_infrastructure_timeout_well_before_the_episode_
     started = time.monotonic()
 
     output, _ = await h.run(
-        WALK, max_attempts=1, episode_deadline_s=60, environment={"call_timeout_s": HANG_CALL_TIMEOUT_S}
+        WALK,
+        max_attempts=1,
+        episode_deadline_s=60,
+        environment={"call_timeout_s": HANG_CALL_TIMEOUT_S},
+        resume=NO_RESUME,
     )
 
     assert time.monotonic() - started < HANG_CALL_TIMEOUT_S + 5.0  # the hang (30 s) and the deadline (60 s) are far
@@ -262,7 +289,7 @@ async def test_with_the_drop_switch_the_v1_trainer_gets_no_sample_for_an_exhaust
     monkeypatch.setenv(DROP_INVALID_ENV, "1")
     h.server.inject("browser_click", Fault.status(503))
 
-    output, _ = await h.run(WALK, max_attempts=2, extra=V1_KWARGS)
+    output, _ = await h.run(WALK, max_attempts=2, extra=V1_KWARGS, resume=NO_RESUME)
 
     assert output == []
     assert len(h.server.session_ids) == 2 and h.all_closed()

@@ -56,6 +56,7 @@ async def test_every_injected_fault_is_one_failed_attempt_of_its_kind_and_every_
                 environment=environment,
                 max_attempts=ATTEMPTS,
                 resample_backoff_s=0,
+                resume={"max_per_episode": 0},  # each fault ends its attempt (resumes: test_resume.py)
             )
             for _ in range(ROLLOUTS)
         ]

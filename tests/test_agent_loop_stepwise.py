@@ -135,7 +135,7 @@ async def test_an_infrastructure_failure_invalidates_every_step_and_the_resample
     run, server
 ):
     server.inject("browser_click", Fault.status(503), on_call=1)  # the first attempt loses its second step
-    outputs, policy = await run()
+    outputs, policy = await run(resume={"max_per_episode": 0})  # re-run, not resumed (resumes: test_resume.py)
 
     assert len(outputs) == 3 and policy.calls == 2 + 3
     assert [o.extra_fields["env_attempts"] for o in outputs] == [2, 2, 2]

@@ -143,6 +143,7 @@ async def test_a_browsing_episode_hit_at_a_browser_call_is_resampled_and_one_tha
                 environment=environment,
                 max_attempts=3,
                 resample_backoff_s=0,
+                resume={"max_per_episode": 0},  # the rule's draws, one per session: no resume in between
             )
             for _ in rows
         ]

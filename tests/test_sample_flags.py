@@ -19,6 +19,8 @@ FAILED = SampleFlags(
     episode_wall_s=12.5,
     refused_navigations=1,
     browser_actions=4,
+    resumed_kinds=("timeout",),
+    resume_diverged=1,
 )
 
 
@@ -37,6 +39,8 @@ def test_the_extra_fields_carry_the_names_verl_and_the_dashboards_have_always_se
         "env_episode_wall_s": 12.5,
         "env_refused_navigations": 1,
         "env_browser_actions": 4,
+        "env_resumed_kinds": ["timeout"],
+        "env_resume_diverged": 1,
         "reward_extra_info": {
             "env/invalid": 1.0,
             "env/attempts": 3.0,
@@ -46,6 +50,7 @@ def test_the_extra_fields_carry_the_names_verl_and_the_dashboards_have_always_se
             "env/episode_wall_s": 12.5,
             "env/browsed": 1.0,
             "env/browser_actions": 4.0,
+            "env/resumed": 1.0,
         },
     }
     step_fields = FAILED.at_step(2, 5).extra_fields()

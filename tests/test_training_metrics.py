@@ -49,25 +49,31 @@ ROLLOUT_TIMEOUT_S = 120
 DROPPED = SampleFlags(
     invalid=True, failure_kind="seed_failed", attempts=2, failed_attempt_kinds=("seed_failed",) * 2, episode_wall_s=1.5
 )
-# The step every flagged batch below must report: one clean sample, one still failing after both attempts, one
-# recovered on its second attempt (every failure a 503 from the environment).
+# The step every flagged batch below must report: one clean sample; one whose type call fails in every session (each
+# attempt resumes twice, the per-call budget, then fails: still failing after both attempts); one whose first
+# navigation fails and is resumed (every failure a 503 from the environment).
 EXPECTED = {
     "env/samples": 3.0,
     "env/invalid_rate": 1 / 3,
     "env/invalid_count": 1.0,
-    "env/resampled_rate": 2 / 3,
-    "env/recovered_rate": 1 / 3,
-    "env/attempts/mean": 5 / 3,
+    "env/resampled_rate": 1 / 3,
+    "env/recovered_rate": 0.0,
+    "env/attempts/mean": 4 / 3,
     "env/attempts/max": 2.0,
     "env/deadline_hit_rate": 0.0,
     "env/reward_source/verify": 2 / 3,
     "env/reward_source/judge": 0.0,
     "env/refused_navigations/mean": 0.0,
-    "env/failed_attempts/server_error": 3.0,
+    "env/failed_attempts/server_error": 2.0,
     "env/invalid/server_error": 1.0,
-    # Every failed attempt came after the policy's first tool call (it observed, then typed or navigated).
-    "env/failed_after_action/server_error": 3.0,
-    "env/failed_after_action_rate": 3 / 5,
+    "env/resumed_rate": 2 / 3,
+    "env/resumes/mean": 5 / 3,
+    "env/resumed/server_error": 5.0,
+    "env/resume_diverged_rate": 0.0,
+    "env/rerun_after_action_rate": 1 / 3,
+    # Every failed attempt came after the policy's first tool call (it observed, then typed).
+    "env/failed_after_action/server_error": 2.0,
+    "env/failed_after_action_rate": 2 / 4,
     "env/failed_before_action_rate": 0.0,
 }
 
@@ -78,14 +84,14 @@ def installed():
 
 
 def scripted_group(server, tokenizer) -> sp.ScriptedPolicy:
-    """Three tasks, told apart by their text: clean, failing every attempt, recovering on its second attempt."""
+    """Three tasks, told apart by their text: clean, failing in every session, resumed after its first navigation."""
     scripts = {
         "clean": sp.walk_and_finish("About", "ALPHA-42"),
         "broken": sp.steps(sp.observe(), sp.type_into("nothing", "x")),
         "flaky": sp.steps(sp.observe(), sp.navigate(BUNDLED_ROOT + "site/about.html"), sp.finish("ok")),
     }
     server.inject("browser_type", Fault.status(503))  # every attempt of "broken" (the only task that types)
-    server.inject("browser_navigate", Fault.status(503), on_call=1)  # the first attempt of "flaky"
+    server.inject("browser_navigate", Fault.status(503), on_call=1)  # the first navigation of "flaky"
     return sp.ScriptedPolicy(tokenizer, scripts)
 
 
@@ -306,8 +312,8 @@ async def test_with_the_drop_switch_on_each_dropped_rollout_counts_once_at_the_s
     assert while_waiting["env/dropped_count"] == 0.0
     assert when_trained["env/dropped_count"] == 1.0 and when_trained["env/invalid/seed_failed"] == 1.0
     assert when_trained["env/failed_attempts/seed_failed"] == 2.0
-    # The dropped rollout's two seeds failed before the policy could act, of five attempts with the batch's two.
-    assert when_trained["env/failed_before_action_rate"] == pytest.approx(2 / 5)
+    # The dropped rollout's two seeds failed before the policy could act, of four attempts with the batch's two.
+    assert when_trained["env/failed_before_action_rate"] == pytest.approx(2 / 4)
     assert when_trained["env/failed_after_action/seed_failed"] == 0.0
     assert server.open_sessions == 0
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)

@@ -92,7 +92,8 @@ async def test_each_rollout_writes_one_record_with_its_steps_flags_reward_and_ve
 async def test_a_rollout_that_failed_then_recovered_records_its_failed_attempt_kinds(rollout, server, tmp_path):
     server.inject("browser_click", Fault.status(503), on_call=1)
 
-    await rollout(WALK, trajectory_dir=str(tmp_path))
+    # No resume, so the rollout is run again (a resumed episode's record: tests/test_resume.py).
+    await rollout(WALK, trajectory_dir=str(tmp_path), resume={"max_per_episode": 0})
 
     (record,) = records_in(tmp_path)
     assert record["failed_attempt_kinds"] == ["server_error"]

@@ -41,10 +41,12 @@ def episode_metrics(rows: Iterable[Mapping[str, Any] | None], dropped: Sequence[
     wall = [flags.episode_wall_s for flags in flagged]
     failed_attempts: Counter[str] = Counter()
     after_action: Counter[str] = Counter()
+    resumed: Counter[str] = Counter()
     final_kinds: Counter[str] = Counter()
     for flags in flagged:
         failed_attempts.update(flags.failed_attempt_kinds)
         after_action.update(flags.failed_after_action_kinds)
+        resumed.update(flags.resumed_kinds)
         if flags.invalid and flags.failure_kind:
             final_kinds[flags.failure_kind] += 1
     metrics = {
@@ -62,6 +64,12 @@ def episode_metrics(rows: Iterable[Mapping[str, Any] | None], dropped: Sequence[
         "env/failed_before_action_rate": (failed_attempts - after_action).total() / sum(attempts),
         "env/failed_after_action_rate": after_action.total() / sum(attempts),
         "env/attempts/max": float(max(attempts)),
+        # Failures under a browser call or verify repaired in a new session, the policy's sample kept (resumes);
+        # those given up on because the replayed page differed; episodes re-run after the policy acted all the same.
+        "env/resumed_rate": sum(bool(flags.resumed_kinds) for flags in flagged) / n,
+        "env/resumes/mean": resumed.total() / n,
+        "env/resume_diverged_rate": sum(flags.resume_diverged > 0 for flags in flagged) / n,
+        "env/rerun_after_action_rate": sum(bool(flags.failed_after_action_kinds) for flags in flagged) / n,
         "env/deadline_hit_rate": sum(flags.deadline_hit for flags in flagged) / n,
         "env/reward_source/verify": sum(flags.reward_source == "verify" for flags in flagged) / n,
         "env/reward_source/judge": sum(flags.reward_source == "judge" for flags in flagged) / n,
@@ -76,6 +84,7 @@ def episode_metrics(rows: Iterable[Mapping[str, Any] | None], dropped: Sequence[
         metrics[f"env/failed_attempts/{kind}"] = float(failed_attempts.get(kind, 0))
         metrics[f"env/invalid/{kind}"] = float(final_kinds.get(kind, 0))
         metrics[f"env/failed_after_action/{kind}"] = float(after_action.get(kind, 0))
+        metrics[f"env/resumed/{kind}"] = float(resumed.get(kind, 0))
     lengths = [flags.steps for flags in flagged if flags.steps is not None]
     if lengths:  # step-wise samples present
         metrics["env/step_samples"] = float(sum(1 for flags in samples if flags.steps is not None))

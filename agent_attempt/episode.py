@@ -309,24 +309,26 @@ class BrowserEpisode:
             return DEADLINE_MESSAGE
         return render_result(result)
 
-    async def _resumed(self, failure: EnvironmentFailure, resumed_here: int) -> bool:
-        """Whether the episode stands, after ``failure``, on a new session where the old one was (then the failed
-        call is made again on it). ``resumed_here``: resumes already made for this call."""
+    def _may_resume(self, failure: EnvironmentFailure, resumes: int) -> bool:
+        """Whether ``failure`` may be resumed from, the failing call having been resumed ``resumes`` times."""
         budget = self.resume_settings
-        if (
-            self._reopen is None
-            or failure.kind not in RESUMABLE_KINDS
-            or resumed_here >= budget.max_per_call
-            or len(self.resumes) >= budget.max_per_episode
-            or self.remaining() <= 0  # past the deadline the episode would end as it stands: the failure is its end
-            or self.hold_remaining() <= 0
-        ):
-            return False
+        return (
+            self._reopen is not None
+            and failure.kind in RESUMABLE_KINDS
+            and resumes < budget.max_per_call
+            and len(self.resumes) < budget.max_per_episode
+            and self.remaining() > 0  # past the deadline the episode would end as it stands: the failure is its end
+            and self.hold_remaining() > 0
+        )
+
+    async def _resume(self, failure: EnvironmentFailure) -> str:
+        """One try: a new session, the steps that reached the browser replayed and checked. Returns the outcome:
+        ``resumed`` (the new session stands where the old one did), ``diverged`` or ``failed`` (the new one failed)."""
         started = time.monotonic()
         steps = [step.replayed() for step in self.steps if step.reached_browser]
         outcome, calls, detail = "failed", 0, None
         try:
-            self.session = await self._reopen()  # the loop closes the lost one
+            self.session = await self._reopen()  # the loop closes the one replaced
             done = await replay(self.session, steps, self.call_bound_s)
             outcome, calls, detail = ("resumed" if done.matched else "diverged"), done.calls, done.mismatch
         except EnvironmentFailure as again:
@@ -338,37 +340,46 @@ class BrowserEpisode:
         log = logger.info if outcome == "resumed" else logger.warning
         log("%s: %s after %s (%d call(s) replayed in %.1fs)%s", self.label, outcome, failure.kind.value, calls,
             seconds, f": {detail}" if detail else "")  # fmt: skip
-        return outcome == "resumed"
+        return outcome
+
+    async def _repair(self, failure: EnvironmentFailure, resumes: int) -> int:
+        """Resume after ``failure`` (a new session that failed too is tried again, within the budgets); the failing
+        call's resumes after it. Raises ``failure`` when the episode cannot be resumed."""
+        while self._may_resume(failure, resumes):
+            resumes += 1
+            outcome = await self._resume(failure)
+            if outcome == "resumed":
+                return resumes
+            if outcome == "diverged":
+                break
+        raise failure
 
     async def _call_resuming(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
         """One browser call; after an infrastructure failure, resumed and made again while the budgets allow."""
-        resumed_here = 0
+        resumes = 0
         while True:
             try:
                 return await self._bounded_call(tool, arguments)
             except EnvironmentFailure as failure:
-                if not await self._resumed(failure, resumed_here):
-                    raise
-                resumed_here += 1
+                resumes = await self._repair(failure, resumes)
 
     async def verify(self) -> VerifyResult:
         """The server's grade of the episode, resumed like a browser call when the session is lost under it."""
-        resumed_here = 0
+        resumes = 0
         while True:
             try:
                 return await self.session.verify()
             except EnvironmentFailure as failure:
-                if not await self._resumed(failure, resumed_here):
-                    raise
-                resumed_here += 1
+                resumes = await self._repair(failure, resumes)
 
     async def _bounded_call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
         """One browser action, bounded by the per-call timeout only.
 
         A call still in flight when the episode deadline passes may finish within its own timeout (the caller then
         ends the episode at the deadline, scored as it stands); one that does not is a hung call, an infrastructure
-        failure, whatever the deadline. So an episode lasts at most its deadline plus one per-call timeout, and a
-        hang near the end of an episode is never turned into a policy zero.
+        failure, whatever the deadline. So an episode lasts at most its deadline plus one per-call timeout on the
+        environment clock (resumes, like generation, run off it), and a hang near the end of an episode is never
+        turned into a policy zero.
         """
         try:
             return await asyncio.wait_for(self.session.call(tool, arguments), self.call_bound_s)

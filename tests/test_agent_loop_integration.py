@@ -2,7 +2,7 @@
 
 A scripted policy drives verl's real ``ToolAgentLoop`` machinery (through ``BrowserToolAgentLoop``) over our
 local test site to reward 1.0; a second real server killed in the middle of an episode yields a rollout that is
-flagged and resampled on the healthy server; neither server keeps a browser open afterwards.
+resumed (or resampled) on the healthy server; neither server keeps a browser open afterwards.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ async def test_a_scripted_policy_drives_the_real_server_through_the_loop_to_rewa
     assert (await asyncio.to_thread(real_environment.wait_for_idle)).idle
 
 
-async def test_a_server_killed_mid_episode_yields_a_flagged_rollout_resampled_on_a_healthy_server(
+async def test_a_server_killed_mid_episode_yields_a_rollout_resumed_or_resampled_on_a_healthy_server(
     real_environment, local_site, tokenizer
 ):
     doomed = await asyncio.to_thread(LocalEnvironment(backend=real_environment.backend).start)
@@ -89,10 +89,12 @@ async def test_a_server_killed_mid_episode_yields_a_flagged_rollout_resampled_on
         await asyncio.to_thread(doomed.stop)
         await close_shared_clients()
 
-    failed = output.extra_fields["env_failed_attempt_kinds"]
-    # The killed server failed the attempt in flight; a resample that still reached it failed at its seed and
-    # took it out of rotation (the client only learns from seeds), so the rollout needed two or three attempts.
-    assert failed in (["unreachable"], ["unreachable", "unreachable"])
+    resumed, failed = output.extra_fields["env_resumed_kinds"], output.extra_fields["env_failed_attempt_kinds"]
+    # The killed server failed the call in flight. The episode was resumed in a new session on the healthy server,
+    # or, when every new session it tried still went to the dead one (each then fails at its seed and takes it out of
+    # rotation), its attempt failed and the rollout was run again there.
+    assert resumed + failed and set(resumed + failed) == {"unreachable"}
+    assert len(resumed) <= 1 and len(failed) <= 2
     assert output.extra_fields["env_attempts"] == 1 + len(failed)
     assert output.extra_fields["env_invalid"] is False
     assert output.reward_score == 1.0 and output.extra_fields["reward_source"] == "verify"

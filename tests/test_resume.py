@@ -100,6 +100,19 @@ async def test_a_call_failing_past_its_resume_budget_fails_the_attempt_and_the_r
     assert server.open_sessions == 0
 
 
+async def test_a_new_session_that_fails_to_open_is_tried_again_within_the_budget(run, server, tmp_path):
+    server.inject("browser_click", Fault.lose_session(), on_call=1)
+    server.inject("seed_session", Fault.fail_seed(), on_call=2)  # the first resume's seed
+    outputs, policy = await run("trajectory", trajectory_dir=str(tmp_path))
+
+    assert outputs[-1].reward_score == 1.0 and policy.calls == 3 and flags(outputs)["env_attempts"] == 1
+    assert flags(outputs)["env_resumed_kinds"] == ["session_lost"]
+    (record,) = [json.loads(line) for path in tmp_path.rglob("*.jsonl") for line in path.read_text().splitlines()]
+    assert [r["outcome"] for r in record["resumes"]] == ["failed", "resumed"]
+    assert record["resumes"][0]["detail"].startswith("seed_failed")
+    assert server.open_sessions == 0
+
+
 async def test_the_episode_budget_bounds_resumes_across_calls(run, server):
     server.inject("browser_observe", Fault.lose_session(), on_call=1)
     server.inject("browser_click", Fault.lose_session(), on_call=1)

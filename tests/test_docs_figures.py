@@ -959,6 +959,91 @@ quote(
     growth=V("figures.verdict", pattern=r"step-wise largest sample \+(\d+)%"),
 )
 
+# ----- bench/resume_lean.json: docs/failures.md's "Resume: what it keeps" --------------------------------------------
+
+LEAN = "bench/resume_lean.json"
+FAILURES = "docs/failures.md"
+
+
+def lean_cell(arm: str, rate: float) -> str:
+    return f"figures.cells[arm={arm},rate={rate}]"
+
+
+for rate, shown in ((0.0, "0 %"), (0.3, "30 %"), (0.85, "85 %")):
+    for arm in ("rerun", "resume"):
+        cell = lean_cell(arm, rate)
+        quote(
+            FAILURES,
+            LEAN,
+            f"| {shown} | {arm} | {{drawn}} | {{kept}} | {{lean}} | {{tokens}} | {{wasted}} | {{seconds}} "
+            "| {resumed} | {diverged} | {rerun} | {invalid} |",
+            drawn=V(f"{cell}.drawn_browse_share", "{:.3f}"),
+            kept=V(f"{cell}.kept_browse_share", "{:.3f}"),
+            lean=V(f"{cell}.lean", "{:+.3f}"),
+            tokens=V(f"{cell}.tokens_per_kept", "{:.1f}"),
+            wasted=V(f"{cell}.wasted_tokens_per_kept", "{:.1f}"),
+            seconds=V(f"{cell}.episode_wall_s", "{:.2f}"),
+            resumed=V(f"{cell}.resumed"),
+            diverged=V(f"{cell}.diverged"),
+            rerun=V(f"{cell}.rerun_after_action"),
+            invalid=V(f"{cell}.still_invalid"),
+        )
+RERUN_30, RESUME_30 = lean_cell("rerun", 0.3), lean_cell("resume", 0.3)
+RERUN_85, RESUME_85 = lean_cell("rerun", 0.85), lean_cell("resume", 0.85)
+quote(
+    FAILURES,
+    LEAN,
+    "Re-running keeps {kept} browsing samples where {drawn} were drawn (the arithmetic for a policy browsing half the "
+    "time says {arithmetic}: about a third); resuming keeps {resumed}, a lean of {lean}, within the 0.05 targeted. "
+    "What lean is left comes from the {rerun} episodes re-run all the same",
+    kept=V(f"{RERUN_30}.kept_browse_share", "{:.3f}"),
+    drawn=V(f"{RERUN_30}.drawn_browse_share", "{:.3f}"),
+    arithmetic=V(f"{RERUN_30}.rerun_expected_share", "{:.3f}"),
+    resumed=V(f"{RESUME_30}.kept_browse_share", "{:.3f}"),
+    lean=V(f"{RESUME_30}.lean", "{:+.3f}"),
+    rerun=V(f"{RESUME_30}.rerun_after_action"),
+)
+quote(
+    FAILURES,
+    LEAN,
+    "{resumed} browsing kept against {rerun} re-running, {after} episodes re-run after an action and {invalid} still "
+    "invalid",
+    resumed=V(f"{RESUME_85}.kept_browse_share", "{:.3f}"),
+    rerun=V(f"{RERUN_85}.kept_browse_share", "{:.3f}"),
+    after=V(f"{RESUME_85}.rerun_after_action"),
+    invalid=V(f"{RESUME_85}.still_invalid"),
+)
+quote(
+    FAILURES,
+    LEAN,
+    "At 30 %, resuming generates {resume_30} tokens per kept sample that no kept sample holds, re-running {rerun_30}. "
+    "At 85 % both waste about as much ({resume_85} and {rerun_85})",
+    resume_30=V(f"{RESUME_30}.wasted_tokens_per_kept", "{:.1f}"),
+    rerun_30=V(f"{RERUN_30}.wasted_tokens_per_kept", "{:.1f}"),
+    resume_85=V(f"{RESUME_85}.wasted_tokens_per_kept", "{:.1f}"),
+    rerun_85=V(f"{RERUN_85}.wasted_tokens_per_kept", "{:.1f}"),
+)
+quote(
+    FAILURES,
+    LEAN,
+    "a mean episode takes {resume_30} s resuming against {rerun_30} s re-running at 30 %, {resume_85} s against "
+    "{rerun_85} s at 85 % ({latency} s per call, {concurrency} episodes at once, load average {load} from other work)",
+    resume_30=V(f"{RESUME_30}.episode_wall_s", "{:.2f}"),
+    rerun_30=V(f"{RERUN_30}.episode_wall_s", "{:.2f}"),
+    resume_85=V(f"{RESUME_85}.episode_wall_s", "{:.2f}"),
+    rerun_85=V(f"{RERUN_85}.episode_wall_s", "{:.2f}"),
+    latency=V("settings.latency_s", "{:.2f}"),
+    concurrency=V("settings.concurrency"),
+    load=V("machine.load", "{:.0f}", formula=float),
+)
+quote(
+    FAILURES,
+    LEAN,
+    "{episodes} episodes per row, the same routes and fault draws in both arms, `max_attempts` {attempts}",
+    episodes=V("settings.episodes"),
+    attempts=V("figures.max_attempts"),
+)
+
 # ----- the machine each benchmark ran on (docs/benchmarks.md): its JSON's ``machine`` --------------------------------
 
 
@@ -1007,6 +1092,7 @@ for source, text, fmt in [
     (DECODE, "2 cores ({cpu}), one decode thread, load average {load} from other work", "{:.1f}"),
     (CHAOS, "Measured on 2 cores ({cpu}), load average {load}:", "{:.1f}"),
     (LONG, "2\ncores ({cpu}), load average {load}:", "{:.1f}"),
+    (LEAN, "2 cores\n({cpu}), load average {load} from other work; the table", "{:.0f}"),
 ]:
     quote(BENCH, source, text, cpu=cpu(), load=load(fmt))
 quote(

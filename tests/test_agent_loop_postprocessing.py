@@ -52,6 +52,7 @@ async def run_group(server, model_dir) -> DataProto:
             f"+nemo_gym_browser.environment.server_urls='{server.url}'",
             "+nemo_gym_browser.resample_backoff_s=0",
             "+nemo_gym_browser.max_attempts=2",
+            "+nemo_gym_browser.resume.max_per_episode=0",  # failures re-run, as these flags count them
         ]
     )
     scripts = {

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from ..gym_contract.browser_calls import (
     BROWSER_FINISH,
@@ -40,6 +40,7 @@ from ..settings import ResumeSettings, plain_config
 from .resume import RESUMABLE_KINDS, ReplayedStep, page_fingerprint, replay
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEADLINE_MESSAGE = "The time limit of this episode has been reached; no further browser actions are possible."
 FINISHED_MESSAGE = "The task is already finished; no further browser actions are possible."
@@ -295,7 +296,7 @@ class BrowserEpisode:
         self.tool_calls += 1
         self.browser_actions += tool != BROWSER_FINISH
         try:
-            result = await self._call_resuming(tool, arguments)
+            result = await self._resuming(lambda: self._bounded_call(tool, arguments))
         except EnvironmentFailure as failure:
             self.fail(failure)
             return ABANDONED_MESSAGE
@@ -354,23 +355,19 @@ class BrowserEpisode:
                 break
         raise failure
 
-    async def _call_resuming(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
-        """One browser call; after an infrastructure failure, resumed and made again while the budgets allow."""
+    async def _resuming(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """``call()`` on the current session; after an infrastructure failure, resumed and made again while the
+        budgets allow."""
         resumes = 0
         while True:
             try:
-                return await self._bounded_call(tool, arguments)
+                return await call()
             except EnvironmentFailure as failure:
                 resumes = await self._repair(failure, resumes)
 
     async def verify(self) -> VerifyResult:
         """The server's grade of the episode, resumed like a browser call when the session is lost under it."""
-        resumes = 0
-        while True:
-            try:
-                return await self.session.verify()
-            except EnvironmentFailure as failure:
-                resumes = await self._repair(failure, resumes)
+        return await self._resuming(lambda: self.session.verify())
 
     async def _bounded_call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
         """One browser action, bounded by the per-call timeout only.

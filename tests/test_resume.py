@@ -55,6 +55,11 @@ def samples(outputs) -> list[tuple[list[int], list[int], list[int], float]]:
     return [(o.prompt_ids, o.response_ids, o.response_mask, o.reward_score) for o in outputs]
 
 
+def records(folder) -> list[dict]:
+    """The trajectory records written under ``folder``."""
+    return [json.loads(line) for path in folder.rglob("*.jsonl") for line in path.read_text().splitlines()]
+
+
 def flags(outputs) -> dict:
     return outputs[-1].extra_fields
 
@@ -107,7 +112,7 @@ async def test_a_new_session_that_fails_to_open_is_tried_again_within_the_budget
 
     assert outputs[-1].reward_score == 1.0 and policy.calls == 3 and flags(outputs)["env_attempts"] == 1
     assert flags(outputs)["env_resumed_kinds"] == ["session_lost"]
-    (record,) = [json.loads(line) for path in tmp_path.rglob("*.jsonl") for line in path.read_text().splitlines()]
+    (record,) = records(tmp_path)
     assert [r["outcome"] for r in record["resumes"]] == ["failed", "resumed"]
     assert record["resumes"][0]["detail"].startswith("seed_failed")
     assert server.open_sessions == 0
@@ -151,7 +156,7 @@ async def test_the_record_and_the_page_show_where_an_episode_was_resumed(run, se
     server.inject("browser_click", Fault.lose_session(), on_call=1)
     await run("trajectory", trajectory_dir=str(tmp_path))
 
-    (record,) = [json.loads(line) for path in tmp_path.rglob("*.jsonl") for line in path.read_text().splitlines()]
+    (record,) = records(tmp_path)
     (resume,) = record["resumes"]
     assert resume["after_steps"] == 1 and resume["kind"] == "session_lost" and resume["outcome"] == "resumed"
     assert resume["replayed_calls"] == 1 and resume["seconds"] >= 0

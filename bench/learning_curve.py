@@ -4,9 +4,10 @@ Every run is a real ``python -m verl.trainer.main_ppo`` (V1 trainer, ``BrowserTo
 place of vLLM) of a warm-started tiny policy on one suite: ``deal`` (name the fruit a board marks: read the board, or
 answer from memory), ``aisle`` (two dependent browser calls) or ``miniwob`` (MiniWoB++ pages, always on nemo-gym with
 Chromium; the site on 127.0.0.1 at ``--miniwob-port`` with a grade key never written down). Two arms, the same
-policy, tasks and seed: ``recipe`` (``grpo_env_aware``, 3 attempts, what still fails stays out of the loss and the
-baseline) and ``stock`` (verl's GRPO, one attempt, a failure scored 0 and trained on). The fault proxy fails each
-browser call with probability ``--rates``; validation runs without faults, per data source.
+policy, tasks and seed: ``recipe`` (``grpo_env_aware``, 3 attempts, a session lost under the policy resumed, what still
+fails stays out of the loss and the baseline), ``rerun`` (the recipe with resuming off: a failed attempt is sampled
+again from the start) and ``stock`` (verl's GRPO, one attempt, a failure scored 0 and trained on). The fault proxy
+fails each browser call with probability ``--rates``; validation runs without faults, per data source.
 
 Writes the JSON after every run (``--resume`` runs only what it lacks, ``--report-only`` runs nothing) and a PNG.
 What each run records and how the arms are compared: docs/benchmarks.md ("Learning curve") and
@@ -38,7 +39,9 @@ from nemo_gym_browser.testing.benchmarking import header
 ENGINES = tr.ENGINES
 
 HERE = Path(__file__).resolve().parent
-ARMS = ("recipe", "stock")
+ARMS = ("recipe", "rerun", "stock")
+RECIPE_ARMS = ("recipe", "rerun")  # grpo_env_aware, attempts, failures kept out
+RESUME_OFF_OVERRIDE = "++nemo_gym_browser.resume.max_per_episode=0"
 SUITES = ("deal", "aisle", "miniwob")
 MINIWOB_TRAIN_SEEDS = 64  # training seeds per MiniWoB task (the dataloader draws the steps' tasks from them)
 # The benchmark's MiniWoB site has a port of its own (the rows name it): a benchmark running for hours leaves
@@ -100,6 +103,8 @@ def run_spec(
         overrides.append("actor_rollout_ref.rollout.full_determinism=True")
     if arm == "stock":
         overrides.append("+nemo_gym_browser.train_on_failures=True")
+    if arm == "rerun":
+        overrides.append(RESUME_OFF_OVERRIDE)
     if mode == "stepwise":
         overrides.append(STEPWISE_OVERRIDE)
     return rs.RunSpec(
@@ -112,7 +117,7 @@ def run_spec(
         prompts_per_step=args.prompts_per_step,
         group_size=args.group_size,
         max_assistant_turns=4,
-        estimator=rs.RECIPE_ESTIMATOR if arm == "recipe" else rs.STOCK_ESTIMATOR,
+        estimator=rs.RECIPE_ESTIMATOR if arm in RECIPE_ARMS else rs.STOCK_ESTIMATOR,
         lr=args.lr,
         test_freq=args.eval_every,
         val_before_train=True,
@@ -288,8 +293,8 @@ def run_plan(args: argparse.Namespace) -> list[tuple[str, float, int, str]]:
         for mode in args.sample_mode
         for seed in args.seeds
         for arm in args.arms
-        # with no failure the arms produce the same episodes (test_main_ppo_determinism)
-        if not (rate == 0 and arm == "stock" and "recipe" in args.arms and not args.stock_at_zero)
+        # with no failure the arms produce the same episodes (test_main_ppo_determinism; nothing to resume)
+        if not (rate == 0 and arm != "recipe" and "recipe" in args.arms and not args.stock_at_zero)
     ]
 
 
@@ -362,6 +367,9 @@ def run_one(
             "browsed_rate": m.get("env/browsed_rate"),
             "invalid_rate": m.get("env/invalid_rate"),
             "resampled_rate": m.get("env/resampled_rate"),
+            "resumed_rate": m.get("env/resumed_rate"),
+            "resume_diverged_rate": m.get("env/resume_diverged_rate"),
+            "rerun_after_action_rate": m.get("env/rerun_after_action_rate"),
             "step_s": m.get("timing_s/step"),
             "gen_s": m.get("timing_s/gen"),
         }
@@ -433,8 +441,8 @@ def cost_table(runs: list[dict[str, Any]], episodes_per_step: int) -> str:
         lines.append(
             f"| {run['rate']:.0%} {run['arm']} seed {run['seed']} | {run['minutes']:.1f} | {seconds:.1f} | "
             f"{60 * episodes_per_step / seconds:.0f} | {run['peak_memory_gib']:.1f} | "
-            f"{mean_text(invalid) if run['arm'] == 'recipe' else '-'} | "
-            f"{mean_text(resampled) if run['arm'] == 'recipe' else '-'} |"
+            f"{mean_text(invalid) if run['arm'] in RECIPE_ARMS else '-'} | "
+            f"{mean_text(resampled) if run['arm'] in RECIPE_ARMS else '-'} |"
         )
     return "\n".join(lines)
 
@@ -536,6 +544,8 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     colours = {  # an arm's modes in shades apart, so two modes' lines in one panel stay told apart
         ("recipe", "trajectory"): "tab:blue",
         ("recipe", "stepwise"): "tab:green",
+        ("rerun", "trajectory"): "tab:purple",
+        ("rerun", "stepwise"): "tab:olive",
         ("stock", "trajectory"): "tab:red",
         ("stock", "stepwise"): "tab:orange",
     }
@@ -558,7 +568,7 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
                 for s in steps:
                     values = [run["evaluated"][s][key] for run in group if s in run["evaluated"]]
                     means.append(sum(values) / len(values))
-                style = "-" if arm == "recipe" else "--"
+                style = {"recipe": "-", "rerun": ":"}.get(arm, "--")
                 marker = "o" if mode == "trajectory" else "s"
                 name = arm if len(modes) == 1 else f"{arm}, {mode}"
                 axis.plot(steps, means, style, color=colours[arm, mode], marker=marker, ms=3, label=f"{name} (mean)")
@@ -601,9 +611,10 @@ exit codes: 0 done, 1 a run failed, 2 impossible settings.""",
     parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.85],
                         help="chance that each browser call fails (default: 0 0.85)")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per arm and seed (0 1 2)")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="default: both")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=["recipe", "stock"],
+                        help="recipe (resuming), rerun (resuming off), stock (default: recipe stock)")  # fmt: skip
     parser.add_argument("--stock-at-zero", action="store_true",
-                        help="also run the stock arm at rate 0, where it produces the recipe's episodes "
+                        help="also run the stock and rerun arms at rate 0, where they produce the recipe's episodes "
                         "(tests/test_main_ppo_determinism.py); skipped by default")  # fmt: skip
     parser.add_argument("--fault-kind", choices=inj.FAULT_KINDS, default="lose_session",
                         help="what a failed browser call meets (default %(default)s)")  # fmt: skip

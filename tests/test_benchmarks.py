@@ -141,6 +141,34 @@ def test_a_stepwise_run_of_the_aisle_suite_turns_stepwise_samples_on_and_keeps_i
     assert module.evaluated({0: metrics}, 2, "aisle") == {0: {"heldback_success": 0.5, "train_browsed": 0.25}}
 
 
+def test_the_rerun_arm_is_the_recipe_with_resuming_off_and_only_it(tmp_path):
+    from hydra.core.global_hydra import GlobalHydra
+    from submit_fixtures import compose_recipe
+
+    from nemo_gym_browser import settings
+    from nemo_gym_browser.local import run_spec as rs
+
+    module, args = learning_curve_args(tmp_path, "--suite", "aisle", "--arms", "recipe", "rerun", "stock")
+    data = {"model": tmp_path, "train": tmp_path / "t.jsonl", "val": (tmp_path / "a", tmp_path / "b")}
+    resumes = {}
+    for arm in ("recipe", "rerun", "stock"):
+        spec = module.run_spec(args, arm=arm, seed=0, rate=0.3, url="http://127.0.0.1:1", data=data)
+        GlobalHydra.instance().clear()
+        config = compose_recipe(rs.hydra_overrides(spec))
+        GlobalHydra.instance().clear()
+        resumes[arm] = settings.resolve_settings({}, config).resume.max_per_episode
+        assert config.algorithm.adv_estimator == (rs.STOCK_ESTIMATOR if arm == "stock" else rs.RECIPE_ESTIMATOR)
+    assert resumes == {"recipe": 4, "rerun": 0, "stock": 4}
+    # without failures every arm makes the recipe's episodes: only the recipe runs at rate 0
+    args.rates = [0.0, 0.3]
+    assert {(rate, arm) for _, rate, _, arm in module.run_plan(args)} == {
+        (0.0, "recipe"),
+        (0.3, "recipe"),
+        (0.3, "rerun"),
+        (0.3, "stock"),
+    }
+
+
 def test_a_run_records_steps_to_the_target_seconds_per_step_and_tokens_per_sample_per_mode():
     module = load("learning_curve")
     metrics = {

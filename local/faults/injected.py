@@ -224,8 +224,9 @@ def browser_call_faults(
     faulted. Each call is drawn on its own, from a hash of ``seed``, the session id and the call's index among its
     session's browser calls (counted by the rule, per session), so the draw depends neither on timing nor on other
     sessions' traffic. The loop records ``kind`` (see ``FAULT_KINDS``) as ``server_error`` (status), ``session_lost``
-    (lose_session) or ``timeout`` (hang, after the client's ``call_timeout_s``), ends the attempt and re-runs the
-    rollout in a new session, which is drawn anew. Sessions of ``spare_tasks`` are never faulted.
+    (lose_session) or ``timeout`` (hang, after the client's ``call_timeout_s``) and goes on in a new session, drawn
+    anew: the same attempt resumed there (its calls so far replayed, each drawn too), or, past the resume budgets or
+    with resuming off, the rollout re-run. Sessions of ``spare_tasks`` are never faulted.
     """
     from ...gym_contract.browser_calls import BROWSER_FINISH, TOOL_NAMES
 

@@ -9,12 +9,16 @@ infrastructure fault or a policy outcome); a server killed and restarted with se
 Printed per target: the confusion matrix of injected cause against the recorded classification of the first
 attempt, the sessions left open, the longest attempt against deadline + one per-call timeout, the share of rollout
 slots that still produced a valid sample, and each target met or missed. The causes: ``docs/benchmarks.md#chaos``.
+
+``--resume-per-episode N`` resumes faults as users get it (the recipe's default is 4); the default, 0, ends an
+attempt at each fault. The resuming mode: ``docs/benchmarks.md#chaos``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -32,6 +36,7 @@ examples:
   python bench/chaos.py                                  # fake (4 servers, 512 + 2x64 rollouts), then real
   python bench/chaos.py --target fake --servers 8 --rollouts 1024
   python bench/chaos.py --target real --real-rollouts 34 --real-phase-rollouts 6
+  python bench/chaos.py --target fake --resume-per-episode 4 --json /tmp/chaos_resume.json   # resuming on
 
 exit codes: 0 every target met, 1 a target missed, 2 usage error
 """
@@ -44,12 +49,13 @@ async def run_fake(args: argparse.Namespace) -> ChaosReport:
         call_timeout_s=2.0,
         episode_deadline_s=6.0,
         max_sessions_per_server=args.sessions_per_server,
+        resume_max_per_episode=args.resume_per_episode,
     )
     async with FakeBackend(args.servers, latency_s=args.latency_ms / 1000) as backend:
         return await run_chaos(
             backend,
             settings,
-            target=f"fake: {args.servers} servers, {args.latency_ms:g} ms per call",
+            target=f"fake: {args.servers} servers, {args.latency_ms:g} ms per call{_resuming(args)}",
             targeted_rollouts=args.rollouts,
             phase_rollouts=args.phase_rollouts,
         )
@@ -59,11 +65,15 @@ async def run_real_target(args: argparse.Namespace) -> ChaosReport:
     async with local_environment_backend() as backend:
         return await run_chaos(
             backend,
-            REAL_SERVER_SETTINGS,
-            target="real: nemo-gym 0.7.0 interactive_browser + Chromium behind the fault proxy",
+            dataclasses.replace(REAL_SERVER_SETTINGS, resume_max_per_episode=args.resume_per_episode),
+            target=f"real: nemo-gym 0.7.0 interactive_browser + Chromium behind the fault proxy{_resuming(args)}",
             targeted_rollouts=args.real_rollouts,
             phase_rollouts=args.real_phase_rollouts,
         )
+
+
+def _resuming(args: argparse.Namespace) -> str:
+    return f", resuming (up to {args.resume_per_episode} per episode)" if args.resume_per_episode else ""
 
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "chaos.json"
@@ -84,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-ms", type=float, default=10.0, help="fake: delay per call (default 10)")
     parser.add_argument("--real-rollouts", type=int, default=34, help="real: rollouts of the targeted phase (34)")
     parser.add_argument("--real-phase-rollouts", type=int, default=6, help="real: rollouts per server-wide phase")
+    parser.add_argument(
+        "--resume-per-episode",
+        type=int,
+        default=0,
+        metavar="N",
+        help="resumes per attempt (resume.max_per_episode; the recipe's default is 4): a fault under a browser call "
+        "or verify is repaired in a new session and the same sample goes on. 0 (default): each fault ends its "
+        "attempt and the rollout is re-run, blame read per attempt",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"figures as JSON (default {DEFAULT_JSON})")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the recipe's warnings")
     return parser
@@ -98,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.servers < 1 or min(args.rollouts, args.real_rollouts) < 1 or args.sessions_per_server < 1:
         print("chaos.py: error: --servers, --sessions-per-server and the rollout counts must be >= 1", file=sys.stderr)
         return 2
-    if min(args.phase_rollouts, args.real_phase_rollouts, args.latency_ms) < 0:
-        print("chaos.py: error: phase rollouts and latency must not be negative", file=sys.stderr)
+    if min(args.phase_rollouts, args.real_phase_rollouts, args.latency_ms, args.resume_per_episode) < 0:
+        print("chaos.py: error: phase rollouts, latency and --resume-per-episode must not be negative", file=sys.stderr)
         return 2
     # verl installs its own root handler on import, so quiet the recipe's loggers rather than the root.
     logging.getLogger("nemo_gym_browser").setLevel(logging.WARNING if args.verbose else logging.CRITICAL)
@@ -126,6 +145,10 @@ def report_figures(report: ChaosReport) -> dict[str, object]:
         "rollouts": len(report.records),
         "wall_s": report.wall_s,
         "valid_fraction": report.valid_fraction,
+        "resume_max_per_episode": report.settings.resume_max_per_episode,
+        "resumed": report.resumed_count,
+        "resume_diverged": report.diverged_count,
+        "rerun_after_action": report.rerun_after_action_count,
         "matrix": {cause: dict(counts) for cause, counts in report.matrix.items()},
         "checks": [{"check": text, "passed": ok} for text, ok in report.targets()],
     }

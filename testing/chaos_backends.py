@@ -11,11 +11,13 @@ per server, which records it as a :class:`Hit` and carries out the fault the run
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..gym_contract.session_ids import parse_session_id
 from ..local.environment_server.server import InProcessEnvironmentServer
 from ..local.faults.kinds import HANG_LIMIT_S, Fault, Rule, SeenRequest
 from ..local.faults.proxy import FaultProxy
@@ -104,7 +106,9 @@ class Backend:
         return {h.session_id: h.at for h in self.hits if h.endpoint == "seed_session" and h.session_id}
 
     def attempt_spans(self) -> dict[str, float]:
-        """Per session: from its seed's answer to the first verify or close, i.e. the episode the deadline bounds.
+        """Per attempt (``<rollout id>.<attempt>``, :func:`attempt_key`): from the seed answer of its first session to
+        the first verify or close of its last one, i.e. the episode the deadline bounds, with any resume's new sessions
+        and replays inside it (a replaced session's close, sent in the background, does not end the attempt).
 
         A session never verified nor closed (a leak) is measured to its last call.
         """
@@ -116,7 +120,23 @@ class Backend:
                 last[hit.session_id] = hit.at
                 if hit.endpoint in ("verify", "close_session"):
                     end.setdefault(hit.session_id, hit.at)
-        return {s: max(0.0, end.get(s, last.get(s, t)) - t) for s, t in start.items()}
+        attempts: dict[str, list[str]] = {}
+        for session in sorted(start, key=start.__getitem__):
+            attempts.setdefault(attempt_key(session), []).append(session)
+        return {
+            key: max(0.0, end.get(sessions[-1], last.get(sessions[-1], start[sessions[-1]])) - start[sessions[0]])
+            for key, sessions in attempts.items()
+        }
+
+    def sessions_per_attempt(self) -> dict[str, int]:
+        """How many sessions each attempt seeded (more than one: it tried to resume)."""
+        seeded = {h.session_id for h in self.hits if h.endpoint == "seed_session" and h.session_id}
+        return dict(collections.Counter(attempt_key(s) for s in seeded))
+
+
+def attempt_key(session_id: str) -> str:
+    """The attempt a session belongs to: its id less the session number (``<rollout id>.<attempt>``)."""
+    return session_id.rsplit(".", 1)[0] if parse_session_id(session_id) else session_id
 
 
 class FakeBackend(Backend):

@@ -3,10 +3,11 @@
 A run: rollouts of the recipe's real ``BrowserToolAgentLoop`` (one loop object per episode, built as verl builds
 them) run concurrently against one or more environment servers, driven by a scripted policy, in three phases (every
 cause at once, a server killed and restarted, a 5xx burst). Each rollout's first attempt, and only it, gets one cause
-(:mod:`~nemo_gym_browser.testing.chaos_plan`), aimed by session id (``<rollout id>.<attempt>.<n>``,
-:func:`parse_session_id`; a run fails loudly if one does not parse). Causes are settled by what happened, not by the
-plan: a planned fault that never fired leaves a policy outcome, and a first attempt the real server failed by itself
-is listed as the environment failing on its own.
+(:mod:`~nemo_gym_browser.testing.chaos_plan`), aimed by session id (:func:`parse_session_id`; a run fails loudly if
+one does not parse) at the first session that attempt seeds: a resume's new session is sound. Causes are settled by
+what happened, not by the plan: a planned fault that never fired leaves a policy outcome, and a first attempt the real
+server failed by itself is listed as the environment failing on its own. With resuming on, each rollout's trajectory
+record (in a temporary folder) gives the replay seconds a resumed attempt's time bound allows.
 
 The parts: :mod:`~nemo_gym_browser.testing.chaos_plan` (causes, scripts, settings), this module (the run),
 :mod:`~nemo_gym_browser.testing.chaos_backends` (the servers and how faults reach them),
@@ -17,12 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
+import json
 import logging
 import math
 import re
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -66,10 +71,13 @@ JUDGE_MODEL = "fake-judge"
 class ChaosRun:
     """Runs the phases of a chaos run against a backend and builds the :class:`ChaosReport`."""
 
-    def __init__(self, backend: Backend, settings: ChaosSettings, *, judge: fj.FakeJudgeServer) -> None:
+    def __init__(
+        self, backend: Backend, settings: ChaosSettings, *, judge: fj.FakeJudgeServer, records_dir: Path
+    ) -> None:
         self.backend = backend
         self.settings = settings
         self.judge = judge
+        self.records_dir = records_dir
         self.tokenizer = build_chat_tokenizer()
         config = compose_trainer_config(
             overrides=[f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={settings.max_assistant_turns}"]
@@ -88,6 +96,7 @@ class ChaosRun:
             max_attempts=settings.max_attempts,
             resample_backoff_s=settings.resample_backoff_s,
             resume={"max_per_episode": settings.resume_max_per_episode},
+            trajectory_dir=str(records_dir) if settings.resume_max_per_episode else None,  # only replays need them
             url_policy={"allowlist": [DEAD_URL.rstrip("/")]},
             judge=judge_settings,
         )
@@ -95,6 +104,7 @@ class ChaosRun:
         self.factory = LoopFactory(entry, tools, config, self.tokenizer)
         self.records: list[RolloutRecord] = []
         self._plan: dict[int, Cause] = {}
+        self._first_sessions: dict[int, str] = {}  # per rollout: the first session its first attempt seeded
         self._indices = itertools.count()
         self._judge_calls: collections.Counter[str] = collections.Counter()
         self.loop_lag_s = 0.0
@@ -120,6 +130,9 @@ class ChaosRun:
     def _targeting(self, server: int, session_id: str | None, endpoint: str) -> str | None:
         parsed = parse_session_id(session_id)
         if parsed is None or parsed[1] != 1:
+            return None
+        # Only the attempt's first session (its seed is the first call seen of it): a resume's new one is sound.
+        if self._first_sessions.setdefault(parsed[0], session_id) != session_id:
             return None
         cause = self._plan.get(parsed[0])
         if cause is HANG_NEAR_DEADLINE and endpoint == "browser_observe":
@@ -285,10 +298,24 @@ class ChaosRun:
             left_open_total=left_open_total,
             closes_refused=len(faulted_closes),
             attempt_seconds=self.backend.attempt_spans(),
+            attempt_sessions=self.backend.sessions_per_attempt(),
+            replay_seconds=self._replay_seconds(),
             loop_lag_s=self.loop_lag_s,
             wall_s=time.monotonic() - started,
             unparsed_sessions=sorted(unparsed),
         )
+
+    def _replay_seconds(self) -> dict[str, float]:
+        """Per final attempt (``<rollout id>.<attempt>``) that tried to resume: the seconds its resumes took, seed of
+        the new session and replay, failed tries included (the episode's ``resumes``, from its trajectory record)."""
+        seconds: dict[str, float] = {}
+        for path in sorted(self.records_dir.rglob("*.jsonl")):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                record = json.loads(line)
+                if record.get("resumes"):
+                    key = f"{record['episode_id']}.{record['flags']['attempts']}"
+                    seconds[key] = sum(float(resume["seconds"]) for resume in record["resumes"])
+        return seconds
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
@@ -298,6 +325,12 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
         if condition():
             return
         await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _records_folder() -> AsyncIterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="chaos-trajectories-") as folder:
+        yield Path(folder)
 
 
 def _first_attempt_of(hit: Hit, indices: set[int]) -> bool:
@@ -345,8 +378,8 @@ async def _run_phases(
     edge_cases: bool,
     causes: Sequence[Cause] | None,
 ) -> ChaosReport:
-    async with fj.FakeJudgeServer(model=JUDGE_MODEL) as judge:
-        run = ChaosRun(backend, settings, judge=judge)
+    async with fj.FakeJudgeServer(model=JUDGE_MODEL) as judge, _records_folder() as records_dir:
+        run = ChaosRun(backend, settings, judge=judge, records_dir=records_dir)
         watcher = asyncio.create_task(run.watch_loop_lag())
         try:
             await run.targeted_phase(causes or mix(targeted_rollouts, edge_cases=edge_cases))

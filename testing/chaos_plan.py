@@ -158,8 +158,9 @@ class ChaosSettings:
     episode_deadline_s: float = 4.0
     max_attempts: int = 3
     resample_backoff_s: float = 0.2
-    # Resumes per episode: 0, so each fault ends its attempt and the blame is read per attempt (resumes are tested on
-    # their own: tests/test_resume.py).
+    # Resumes per attempt (resume.max_per_episode). 0: each fault ends its attempt and the blame is read per attempt.
+    # Above 0, as users get it (the recipe's default is 4): faults are resumed and the report reads blame, time and
+    # validity with the resumes (chaos_report).
     resume_max_per_episode: int = 0
     max_sessions_per_server: int = 64
     max_assistant_turns: int = 8

@@ -428,11 +428,16 @@ def last_three(runs: tuple[str, ...], final: int, reduce: Callable[[list[float]]
 
 
 def aisle_cells(
-    mode: str, rate: float, arm: str, steps: tuple[int, ...] = AISLE_STEPS, with_last_three: bool = False
+    mode: str,
+    rate: float,
+    arm: str,
+    steps: tuple[int, ...] = AISLE_STEPS,
+    with_last_three: bool = False,
+    label: str | None = None,
 ) -> tuple[str, dict[str, Value]]:
     """One row of an aisle learning table: held-back success at each of ``steps``, mean (min–max) over seeds
     (``with_last_three``: and over the last three evaluations, :func:`last_three`), browsing at the last step, and
-    each seed's steps to 0.8."""
+    each seed's steps to 0.8; the arm's column says ``label`` (default: the arm)."""
     runs = f"runs[sample_mode={mode},rate={rate},arm={arm}]"
     summary = f"by_mode[sample_mode={mode},rate={rate},arm={arm}]"
     cells, values = [], {}
@@ -454,7 +459,10 @@ def aisle_cells(
         )
         reached.append(f"{{reach{seed}}}")
     text = (
-        f"| {MODE_NAMES[mode]} | {rate:.0%} | {arm} | " + " | ".join(cells) + " | {browsed} % | " + ", ".join(reached)
+        f"| {MODE_NAMES[mode]} | {rate:.0%} | {label or arm} | "
+        + " | ".join(cells)
+        + " | {browsed} % | "
+        + ", ".join(reached)
     )
     return text + " |", values
 
@@ -683,6 +691,63 @@ quote(
     w=reached("recipe", ("stepwise",)),
     s=reached("stock", ("trajectory", "stepwise")),
 )
+
+# ----- resuming instead of re-running: the aisle and deal suites at 30 % and 85 % (docs/learning-results.md) -------
+
+RESUME_30 = "bench/learning_curve_resume_aisle_30.json"
+RESUME_85 = "bench/learning_curve_resume_aisle_85.json"
+RESUME_DEAL = "bench/learning_curve_resume_deal.json"
+RESUME_STEPS = (0, 2, 4, 6, 8, 12)
+LEARNING = "docs/learning-results.md"
+
+for mode in ("trajectory", "stepwise"):
+    for source, rate, label in ((AISLE, 0.0, "recipe"), (RESUME_30, 0.3, "recipe, resuming")):
+        row_text, row_values = aisle_cells(mode, rate, "recipe", steps=RESUME_STEPS, label=label)
+        quote(LEARNING, source, row_text, **row_values)
+
+
+def resume_share(runs: str, key: str) -> Value:
+    """The mean over ``runs``' training steps of a per-step share (``training.<step>.<key>``), in per cent."""
+    return V(f"{runs}.training.*.{key}", "{:.0f}", reduce="mean", scale=100)
+
+
+def resume_row(source: str, mode: str, rate: float) -> None:
+    runs = f"runs[sample_mode={mode},rate={rate},arm=recipe]"
+    quote(
+        LEARNING,
+        source,
+        f"| {MODE_NAMES[mode]} | {rate:.0%} | {{resumed}} % | {{diverged}} % | {{rerun}} % | {{invalid}} % | "
+        "{seconds} | {zero} |",
+        resumed=resume_share(runs, "resumed_rate"),
+        diverged=resume_share(runs, "resume_diverged_rate"),
+        rerun=resume_share(runs, "rerun_after_action_rate"),
+        invalid=resume_share(runs, "invalid_rate"),
+        seconds=V(f"by_mode[sample_mode={mode},rate={rate},arm=recipe].seconds_per_step", "{:.1f}"),
+        zero=V(f"{AISLE}:by_mode[sample_mode={mode},rate=0,arm=recipe].seconds_per_step", "{:.1f}"),
+    )
+
+
+for mode in ("trajectory", "stepwise"):
+    resume_row(RESUME_30, mode, 0.3)
+
+
+def steps_list(source: str, mode: str, rate: float) -> Value:
+    """Each seed's steps to 0.8 (``-``: not within the run), comma-separated."""
+    return V(
+        f"{source}:by_mode[sample_mode={mode},rate={rate},arm=recipe].steps_to_target",
+        formula=lambda steps: ", ".join("-" if step is None else str(step) for step in steps),
+    )
+
+
+for mode in ("trajectory", "stepwise"):
+    quote(
+        LEARNING,
+        RESUME_30,
+        f"{MODE_NAMES[mode].capitalize()}: 0.8 at steps {{zero}} without failures, {{thirty}} at 30 %",
+        zero=steps_list(AISLE, mode, 0.0),
+        thirty=steps_list(RESUME_30, mode, 0.3),
+    )
+
 
 for mode in ("trajectory", "stepwise"):
     summary = f"by_mode[sample_mode={mode},rate=0,arm=recipe]"

@@ -749,6 +749,46 @@ for mode in ("trajectory", "stepwise"):
     )
 
 
+# the deal suite (one browser call) resuming at 30 % and 85 %, beside bench/learning_curve.json's runs of the tree
+# before resuming (0 %, and 85 % re-running)
+DEAL_STEPS = (0, 2, 4, 6, 8)
+
+
+def deal_cells(source: str, rate: float, label: str) -> None:
+    runs = f"runs[rate={rate},arm=recipe]"
+    cells, values = [], {}
+    for step in DEAL_STEPS:
+        cells.append(f"{{s{step}}} ({{s{step}min}}–{{s{step}max}})")
+        for reduce in ("mean", "min", "max"):
+            name = f"s{step}" + ("" if reduce == "mean" else reduce)
+            values[name] = V(f"{runs}.evaluated.{step}.heldback_success", "{:.2f}", reduce=reduce)
+
+    def first_steps(*successes: float) -> str:
+        """Each seed's first evaluated step at 0.8 or more (``-``: none), from its successes in step order."""
+        n = len(DEAL_STEPS)
+        per_seed = [successes[k : k + n] for k in range(0, len(successes), n)]
+        reached_at = (
+            next((str(step) for step, value in zip(DEAL_STEPS, seed, strict=True) if value >= 0.8), "-")
+            for seed in per_seed
+        )
+        return ", ".join(reached_at)
+
+    values["reach"] = V(
+        tuple(f"runs[rate={rate},arm=recipe,seed={seed}].evaluated.{step}.heldback_success"
+              for seed in range(3) for step in DEAL_STEPS),
+        formula=first_steps,
+    )  # fmt: skip
+    quote(LEARNING, source, f"| {rate:.0%} | {label} | " + " | ".join(cells) + " | {reach} |", **values)
+
+
+for source, rate, label in (
+    (CURVE, 0.0, "recipe"),
+    (CURVE_RESUME_DEAL, 0.3, "recipe, resuming"),
+    (CURVE, 0.85, "recipe, re-running"),
+):
+    deal_cells(source, rate, label)
+
+
 # the aisle tasks at 85 %, 20 steps: resuming beside the 20-step re-running runs above
 CURVE_RESUME_85_MODES = ("stepwise",)
 for mode in CURVE_RESUME_85_MODES:

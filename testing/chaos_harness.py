@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import json
 import logging
@@ -26,7 +25,7 @@ import math
 import re
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -327,12 +326,6 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
         await asyncio.sleep(0.02)
 
 
-@contextlib.asynccontextmanager
-async def _records_folder() -> AsyncIterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="chaos-trajectories-") as folder:
-        yield Path(folder)
-
-
 def _first_attempt_of(hit: Hit, indices: set[int]) -> bool:
     """The call was made by the first attempt of one of the rollouts ``indices``."""
     parsed = parse_session_id(hit.session_id)
@@ -362,9 +355,12 @@ async def run_chaos(
     """
     started = time.monotonic()
     # No verdict cache: every judged rollout asks the judge, so a judge fault reaches each rollout it targets.
-    with mock.patch.object(judge_module, "VERDICT_CACHE_SIZE", 0):
+    with (
+        mock.patch.object(judge_module, "VERDICT_CACHE_SIZE", 0),
+        tempfile.TemporaryDirectory(prefix="chaos-trajectories-") as records_dir,
+    ):
         return await _run_phases(
-            backend, settings, target, started, targeted_rollouts, phase_rollouts, edge_cases, causes
+            backend, settings, target, started, targeted_rollouts, phase_rollouts, edge_cases, causes, Path(records_dir)
         )
 
 
@@ -377,8 +373,9 @@ async def _run_phases(
     phase_rollouts: int,
     edge_cases: bool,
     causes: Sequence[Cause] | None,
+    records_dir: Path,
 ) -> ChaosReport:
-    async with fj.FakeJudgeServer(model=JUDGE_MODEL) as judge, _records_folder() as records_dir:
+    async with fj.FakeJudgeServer(model=JUDGE_MODEL) as judge:
         run = ChaosRun(backend, settings, judge=judge, records_dir=records_dir)
         watcher = asyncio.create_task(run.watch_loop_lag())
         try:

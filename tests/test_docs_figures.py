@@ -791,36 +791,30 @@ for source, rate, label in (
 quote(
     LEARNING,
     CURVE_RESUME_DEAL,
-    "(0.65 at step 2, against {rerun} re-running and\n{zero} without failures)",
-    rerun=V(f"{CURVE}:runs[rate=0.85,arm=recipe].evaluated.2.heldback_success", "{:.2f}", reduce="mean"),
-    zero=V(f"{CURVE}:runs[rate=0.0,arm=recipe].evaluated.2.heldback_success", "{:.2f}", reduce="mean"),
-)
-quote(
-    LEARNING,
-    CURVE_RESUME_DEAL,
     "Resuming at 85 % reaches 0.8\nat step {reached} too, a little nearer the runs without failures on the way "
-    "({resumed} at step 2",
+    "({resumed} at step 2, against {rerun} re-running and\n{zero} without failures)",
     reached=V("by_mode[rate=0.85,arm=recipe].steps_to_target[*]", reduce="max"),
     resumed=V("runs[rate=0.85,arm=recipe].evaluated.2.heldback_success", "{:.2f}", reduce="mean"),
+    rerun=V(f"{CURVE}:runs[rate=0.85,arm=recipe].evaluated.2.heldback_success", "{:.2f}", reduce="mean"),
+    zero=V(f"{CURVE}:runs[rate=0.0,arm=recipe].evaluated.2.heldback_success", "{:.2f}", reduce="mean"),
 )
 
 
 # the aisle tasks at 85 %, 20 steps: resuming beside the 20-step re-running runs above
-CURVE_RESUME_85_MODES = ("stepwise", "trajectory")
-for mode in CURVE_RESUME_85_MODES:
+for mode, per in (("stepwise", "step"), ("trajectory", "episode")):
     for source, label in ((AISLE, "recipe, re-running"), (CURVE_RESUME_85, "recipe, resuming")):
         row_text, row_values = aisle_cells(mode, 0.85, "recipe", label=label)
         quote(LEARNING, source, row_text, **row_values)
     resume_row(CURVE_RESUME_85, mode, 0.85)
-quote(
-    LEARNING,
-    CURVE_RESUME_85,
-    "With one sample per step {resumed} of 3 resuming runs reached 0.8 within 20 steps (at steps {steps}), where "
-    "{rerun} of 3 re-running runs did",
-    resumed=reached("recipe", ("stepwise",), (CURVE_RESUME_85,)),
-    steps=steps_list(CURVE_RESUME_85, "stepwise", 0.85),
-    rerun=reached("recipe", ("stepwise",), (AISLE,)),
-)
+    quote(
+        LEARNING,
+        CURVE_RESUME_85,
+        f"With one sample per {per} {{resumed}} of 3 resuming runs reached 0.8 within 20 steps (at steps {{steps}}), "
+        "where {rerun} of 3 re-running runs did",
+        resumed=reached("recipe", (mode,), (CURVE_RESUME_85,)),
+        steps=steps_list(CURVE_RESUME_85, mode, 0.85),
+        rerun=reached("recipe", (mode,), (AISLE,)),
+    )
 quote(
     "README.md",
     CURVE_RESUME_30,
@@ -831,15 +825,6 @@ quote(
     w=V("by_mode[sample_mode=stepwise,rate=0.3,arm=recipe].steps_to_target[*]", reduce="max"),
     resumed=reached("recipe", ("stepwise",), (CURVE_RESUME_85,)),
     rerun=reached("recipe", ("stepwise",), (AISLE,)),
-)
-quote(
-    LEARNING,
-    CURVE_RESUME_85,
-    "With one sample per episode {resumed} of 3 resuming runs reached 0.8 within 20 steps (at steps {steps}), where "
-    "{rerun} of 3 re-running runs did",
-    resumed=reached("recipe", ("trajectory",), (CURVE_RESUME_85,)),
-    steps=steps_list(CURVE_RESUME_85, "trajectory", 0.85),
-    rerun=reached("recipe", ("trajectory",), (AISLE,)),
 )
 quote(
     LEARNING,
